@@ -1,0 +1,32 @@
+"""pdserve: LLM serving with disaggregated prefill and decode, and a vLLM-compatible API.
+
+The public names load lazily, so light processes (the router) that import a submodule such as
+`pdserve.block_hash` do not pay for torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "pdserve.engine.llm",
+    "LLMEngine": "pdserve.engine.llm_engine",
+    "EngineArgs": "pdserve.engine.engine_args",
+    "SamplingParams": "pdserve.sampling_params",
+    "RequestOutputKind": "pdserve.sampling_params",
+    "RequestOutput": "pdserve.outputs",
+    "CompletionOutput": "pdserve.outputs",
+    "Logprob": "pdserve.outputs",
+    "TextPrompt": "pdserve.inputs",
+    "TokensPrompt": "pdserve.inputs",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

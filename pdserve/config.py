@@ -1,0 +1,125 @@
+"""Engine configuration: frozen dataclasses, one per concern, validated once when built.
+
+`EngineArgs` (engine/engine_args.py) is the user-facing bag of options; it resolves the model
+and builds an `EngineConfig` exactly once. Nothing below re-parses options or reads the
+environment, except `DeviceConfig.detect`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.models.arch import ModelArch
+from pdserve.models.loader import ResolvedModel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "half": torch.float16, "float": torch.float32}
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+
+    @staticmethod
+    def detect() -> DeviceConfig:
+        return DeviceConfig("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights, tokenizer and numeric type; `arch` is read from the model's config."""
+
+    model: str  # what the user asked for; the served model name
+    resolved: ResolvedModel  # where its files are
+    arch: ModelArch
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+
+    @staticmethod
+    def resolve_dtype(dtype: str | torch.dtype, arch: ModelArch, device: str) -> torch.dtype:
+        """'auto' means float32 on CPU (the fast path there) and the config's type on CUDA."""
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype == "auto":
+            if device == "cpu":
+                return torch.float32
+            cfg = _DTYPES.get(arch.torch_dtype, torch.bfloat16)
+            return torch.bfloat16 if cfg == torch.float32 else cfg
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: unsupported value {dtype!r} "
+                             f"(choose auto, float32, bfloat16 or float16)")
+        return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and how much memory the blocks may take."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    # Fraction of device memory (CUDA) or of available RAM (CPU) for weights + KV cache.
+    gpu_memory_utilization: float = 0.92
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, "
+                             f"got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits and policy."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    policy: str = "fcfs"  # or "priority": lower value first, then arrival
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+    def __post_init__(self) -> None:
+        if (not self.scheduler.enable_chunked_prefill
+                and self.scheduler.max_num_batched_tokens < self.model.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.model.max_model_len}) without chunked prefill")
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS reports as available (CPU sizing of the KV cache)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,87 @@
+"""Turns what a user submits (a prompt and SamplingParams) into validated Request records."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping
+
+from pdserve.config import ModelConfig
+from pdserve.engine.request import Request
+from pdserve.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    """Validates and tokenizes prompts; fans a request with n > 1 out into n child records."""
+
+    def __init__(self, model_config: ModelConfig, tokenizer, max_len: int):
+        self.model_config = model_config
+        self.max_len = max_len  # max_model_len, or less when the KV cache holds less
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.arch.vocab_size
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A str, TextPrompt or TokensPrompt -> (prompt text or None, token ids)."""
+        if isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, Mapping) and "prompt" in prompt:
+            text, ids = prompt["prompt"], None
+        else:
+            raise ValueError(f"prompt: expected a str, TextPrompt or TokensPrompt, "
+                             f"got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt: expected a str, got {type(text).__name__}")
+            ids = self.tokenizer.encode(text) if text else []
+        self._check_prompt(ids)
+        return text, ids
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size),
+                   None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(ids) >= self.max_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.max_len}")
+
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      arrival_time: float | None = None, priority: int = 0,
+                      kv_transfer_params: dict | None = None) -> list[Request]:
+        """One Request per output sequence; child i of n > 1 is seeded with seed + i."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, "
+                             f"got {type(params).__name__}")
+        params.verify_vocab(self.vocab_size)
+        bad_words = self._tokenize_bad_words(params.bad_words or [])
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params
+            rid = request_id
+            if params.n > 1:
+                child_params = copy.copy(params)
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+                rid = f"{i}_{request_id}"
+            children.append(Request(
+                request_id=rid, prompt_token_ids=list(prompt_ids), sampling_params=child_params,
+                eos_token_id=self.eos_token_id, priority=priority, arrival_time=arrival,
+                bad_words_token_ids=bad_words, kv_transfer_params=kv_transfer_params))
+        return children
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out

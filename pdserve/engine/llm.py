@@ -1,0 +1,116 @@
+"""LLM: vLLM's offline API (`generate`, `chat`) over one in-process LLMEngine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.models.loader import DEFAULT_MODEL
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """An LLM for generating texts from prompts, batching them continuously.
+
+    Keyword arguments are EngineArgs fields (dtype, seed, kv_cache_memory_bytes,
+    max_model_len, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any):
+        if kwargs.pop("tensor_parallel_size", 1) != 1:
+            raise ValueError("tensor_parallel_size: only 1 is supported")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for one prompt or a list; outputs keep the input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for "
+                                 f"{len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params, priority)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams]
+             | None = None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(
+            c, chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the (model's) chat template."""
+        for i, m in enumerate(conversation):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
+        tokenizer = self.get_tokenizer()
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _add_all(self, prompts: list, params: list[SamplingParams],
+                 priority: list[int] | None) -> list[str]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params: expected SamplingParams, "
+                                     f"got {type(p).__name__}")
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,108 @@
+"""LLMEngine: one model instance's engine, with vLLM's add_request / step / abort API.
+
+A step reads like a sentence: schedule, execute, update; then outputs are made.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.engine_args import EngineArgs, num_kv_blocks
+from pdserve.engine.input_processor import InputProcessor
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.scheduler import Scheduler
+from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.loader import load_state_dict, load_tokenizer
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+
+def load_model(config: EngineConfig) -> LlamaForCausalLM:
+    """Build the decoder and fill it with the checkpoint's weights."""
+    arch, dtype = config.model.arch, config.model.dtype
+    with torch.device(config.device.device):
+        model = LlamaForCausalLM(arch).to(dtype)
+    model.load_weights(load_state_dict(config.model.resolved, dtype))
+    return model.eval()
+
+
+class LLMEngine:
+    """Receives requests and generates text with continuous batching over a paged KV cache."""
+
+    def __init__(self, config: EngineConfig, record_kv_events: bool = False):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.resolved)
+        self.model = load_model(config)
+        self.num_blocks = num_kv_blocks(config)
+        self.block_pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching,
+                                    record_kv_events)
+        self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size,
+                                         config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len,
+                                   config.model.arch.eos_token_ids)
+        self.runner = ModelRunner(config, self.model, allocate_kv_cache(config, self.num_blocks))
+        self.input_processor = InputProcessor(config.model, self.tokenizer,
+                                              self.scheduler.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0,
+                    kv_transfer_params: dict | None = None) -> None:
+        """Queue a prompt (str, TextPrompt or TokensPrompt). Raises ValueError on bad input."""
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError("priority: only allowed with scheduling_policy='priority'")
+        text, ids = self.input_processor.tokenize_prompt(prompt)
+        children = self.input_processor.make_requests(request_id, ids, params, arrival_time,
+                                                      priority, kv_transfer_params)
+        self.output_processor.add(request_id, text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests now and free their blocks; unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self.scheduler.finish_requests(self.output_processor.child_ids(rid),
+                                           RequestStatus.FINISHED_ABORTED)
+            self.output_processor.remove(rid)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, execute the model, update requests, make outputs."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        touched = self.scheduler.update(sched, result)
+        stopped = self.output_processor.process(touched, result)
+        self.scheduler.finish_requests([r.request_id for r in stopped],
+                                       RequestStatus.FINISHED_STOPPED)
+        return self.output_processor.make_outputs(touched)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks

@@ -1,0 +1,107 @@
+"""The model runner: owns the model and the KV cache tensor, executes one scheduled batch.
+
+It turns a `SchedulerOutput` into flat input tensors and attention metadata, runs the model,
+and samples the requests whose chunk reached their last known token. It changes no request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.sampler import Sampler, prompt_logprobs
+from pdserve.engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
+from pdserve.models.llama import LlamaForCausalLM
+
+
+def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
+    """Zeroed cache of shape (layers, 2, num_blocks, block_size, kv_heads, head_dim)."""
+    arch = config.model.arch
+    shape = (arch.num_hidden_layers, 2, num_blocks, config.cache.block_size,
+             arch.num_key_value_heads, arch.head_dim)
+    return torch.zeros(shape, dtype=config.model.dtype, device=config.device.device)
+
+
+class ModelRunner:
+    """Executes batches of scheduled chunks on one model replica."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, kv_cache: torch.Tensor):
+        self.config = config
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = config.cache.block_size
+        self.device = torch.device(config.device.device)
+        self.sampler = Sampler(config.model.arch.vocab_size)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if not sched.chunks:
+            return ModelRunnerOutput()
+        input_ids, positions, meta = self._prepare(sched.chunks)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (T, hidden)
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(sched.chunks, hidden, out)
+        rows, last_idx = [], []
+        end = 0
+        for chunk in sched.chunks:
+            end += chunk.num_tokens
+            if chunk.completes_sequence:
+                rows.append(chunk.request)
+                last_idx.append(end - 1)
+        if rows:
+            logits = self.model.compute_logits(hidden[last_idx])  # (B, V)
+            for request, result in zip(rows, self.sampler(logits, rows)):
+                out.sampled[request.request_id] = result
+        return out
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        bs = self.block_size
+        for chunk in chunks:
+            request, start, n = chunk.request, chunk.start, chunk.num_tokens
+            t0 = len(ids)
+            ids.extend(request.all_token_ids[start:start + n])
+            table = chunk.block_table
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                decode_idx.append(t0)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSpan(t0, t0 + n, start + n, self._tensor(table)))
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            decode_token_idx=self._tensor(decode_idx),
+            decode_block_tables=self._tensor(padded).view(len(padded), width),
+            decode_seq_lens=self._tensor(decode_lens),
+            prefills=prefills,
+        )
+        return self._tensor(ids), self._tensor(pos), meta
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+                         out: ModelRunnerOutput) -> None:
+        """Logprobs of prompt tokens 1..P-1 for requests that asked (positions in this chunk)."""
+        t0 = 0
+        for chunk in chunks:
+            request, start, n = chunk.request, chunk.start, chunk.num_tokens
+            k = request.sampling_params.prompt_logprobs
+            stop = min(start + n, request.num_prompt_tokens - 1)
+            if k is not None and start < stop:
+                targets = request.prompt_token_ids[start + 1:stop + 1]
+                logits = self.model.compute_logits(hidden[t0:t0 + stop - start])  # (n', V)
+                out.prompt_logprobs[request.request_id] = prompt_logprobs(logits, targets, k)
+            t0 += n
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

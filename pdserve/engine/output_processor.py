@@ -1,0 +1,141 @@
+"""Turns engine progress into RequestOutputs: detokenizes, finds stop strings, gathers
+logprobs, and merges the n child sequences of a request into one output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ModelRunnerOutput
+from pdserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pdserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class SequenceState:
+    """Output-side state of one child sequence."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    sent_tokens: int = 0
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[SequenceState] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+
+class OutputProcessor:
+    """Keeps per-request output state; `process` is called once per engine step."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, tuple[ParentState, SequenceState]] = {}
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        params = children[0].sampling_params if len(children) == 1 else None
+        parent = ParentState(request_id, prompt, children[0].prompt_token_ids,
+                             params or children[0].sampling_params)
+        if parent.params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        for i, child in enumerate(children):
+            p = child.sampling_params
+            state = SequenceState(
+                i, child, IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, p),
+                [] if p.logprobs is not None else None,
+                0.0 if p.logprobs is not None else None)
+            parent.sequences.append(state)
+            self.child_to_parent[child.request_id] = (parent, state)
+        self.parents[request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [s.request.request_id for s in parent.sequences] if parent else []
+
+    def process(self, touched: list[Request], result: ModelRunnerOutput) -> list[Request]:
+        """Detokenize new tokens; returns the requests a stop string just ended (the caller
+        finishes them in the scheduler)."""
+        stopped: list[Request] = []
+        for request in touched:
+            parent, seq = self.child_to_parent[request.request_id]
+            self._add_prompt_logprobs(parent, result.prompt_logprobs.get(request.request_id))
+            sample = result.sampled.get(request.request_id)
+            if sample is None:
+                continue
+            stop = seq.detokenizer.update([sample.token_id], request.num_output_tokens)
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                stopped.append(request)
+            if seq.logprobs is not None and sample.logprobs is not None:
+                seq.logprobs.append(self._logprob_dict(sample.logprobs))
+                seq.cumulative_logprob += sample.logprobs[sample.token_id][0]
+        return stopped
+
+    def make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        """One RequestOutput per parent request that progressed (as its output_kind allows)."""
+        parents = {}
+        for request in touched:
+            if request.request_id in self.child_to_parent:
+                parent = self.child_to_parent[request.request_id][0]
+                parents[parent.request_id] = parent
+        outputs = [o for p in parents.values() if (o := self._make_output(p)) is not None]
+        for p in parents.values():
+            if p.finished:
+                self.remove(p.request_id)
+        return outputs
+
+    def remove(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        if parent:
+            for s in parent.sequences:
+                self.child_to_parent.pop(s.request.request_id, None)
+
+    def _add_prompt_logprobs(self, parent: ParentState, chunk) -> None:
+        if chunk is None or parent.prompt_logprobs is None:
+            return
+        room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
+        parent.prompt_logprobs.extend(self._logprob_dict(d) for d in chunk[:room])
+
+    def _logprob_dict(self, raw: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank)
+                in raw.items()}
+
+    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        finished = parent.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = []
+        for seq in parent.sequences:
+            request = seq.request
+            done = request.is_finished
+            start = seq.sent_tokens if delta else 0
+            text = seq.detokenizer.get_next_output_text(done, delta)
+            logprobs = seq.logprobs[start:] if seq.logprobs is not None else None
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=request.output_token_ids[start:],
+                cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
+                finish_reason=request.status.finish_reason if done else None,
+                stop_reason=request.stop_reason if done else None))
+            seq.sent_tokens = request.num_output_tokens
+        first = parent.sequences[0].request
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
+            outputs=completions, finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0))

@@ -1,0 +1,99 @@
+"""The request record: one object carries a request from admission to its last token.
+
+Only the scheduler changes the counters (`num_computed_tokens`, status); the engine appends
+sampled tokens through `append_output_token`. The block pool and KV cache manager read it but
+never write it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is. Values above RUNNING are finished states."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH_CAPPED = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated (a parent with n > 1 fans out into n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Pre-tokenized `sampling_params.bad_words` (each word with and without a leading space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # What a KV connector needs to find this request's remote blocks (None: nothing remote).
+    kv_transfer_params: dict[str, Any] | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # Chained hashes of this request's full blocks (prompt and output), see block_hash.py.
+    block_hashes: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        seed = self.sampling_params.seed
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)

@@ -1,0 +1,25 @@
+"""Chooses the attention implementation for the tensors' device.
+
+CPU tensors use the torch reference in attention.py; CUDA tensors use the Triton kernels when
+Triton is importable (kernels/triton_attention.py), with the same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels import attention as reference
+from pdserve.kernels.attention import AttentionMetadata
+
+try:
+    from pdserve.kernels import triton_attention
+except ImportError:  # Triton absent: the reference serves every device
+    triton_attention = None
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write K/V into the cache and attend, on the best implementation for `q.device`."""
+    if q.is_cuda and triton_attention is not None:
+        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale)

@@ -1,0 +1,180 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+
+Pre-norm transformer: RMSNorm -> grouped-query attention with rotary position embeddings ->
+residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm and a (possibly tied) LM head.
+References: Touvron et al. 2023 (LLaMA), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU),
+Ainslie et al. 2023 (GQA). Qwen2 adds biases to the q/k/v projections.
+
+All tokens of a step are flattened into one batch of T tokens; `AttentionMetadata` tells each
+attention layer where they go in the cache and which context each one sees.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.dispatch import paged_attention
+from pdserve.models.arch import ModelArch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,), with Llama 3 style scaling when configured."""
+    d = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = arch.rope_scaling_dict or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
+                               torch.where(wavelen < old_len / high, inv_freq, scaled))
+    elif kind != "default":
+        raise ValueError(f"rope_scaling: type {kind!r} is not supported")
+    return inv_freq.float()
+
+
+class Rotary(nn.Module):
+    """Rotary embedding in the half-split layout (`rotate_half`) of Hugging Face checkpoints."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        t = torch.arange(arch.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(arch))  # (max_pos, d/2)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        cos = self.cos[positions][:, None, :]  # (T, 1, d/2)
+        sin = self.sin[positions][:, None, :]
+        out = []
+        for x in xs:  # (T, heads, d)
+            x1, x2 = x.float().chunk(2, dim=-1)
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            out.append(rotated.to(x.dtype))
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # (T, h, d)
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder; `forward` returns final hidden states, `compute_logits` the vocab scores."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = Rotary(arch)
+        self.lm_head = (None if arch.tie_word_embeddings
+                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,); kv_cache: (layers, 2, blocks, block_size, kvh, d)."""
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_cache[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) in float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up projections."""
+        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        own = dict(self.named_parameters())
+        missing = set(own)
+        for i in range(self.arch.num_hidden_layers):
+            p = f"layers.{i}."
+            att = p + "self_attn."
+            sd[att + "qkv_proj.weight"] = torch.cat(
+                [sd.pop(att + f"{n}_proj.weight") for n in "qkv"])
+            if self.arch.attention_bias:
+                sd[att + "qkv_proj.bias"] = torch.cat(
+                    [sd.pop(att + f"{n}_proj.bias") for n in "qkv"])
+            sd[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")])
+        for name, tensor in sd.items():
+            if name not in own:
+                continue  # e.g. rotary inv_freq buffers, or lm_head when tied
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} does not match "
+                                 f"the model's {tuple(own[name].shape)}")
+            own[name].copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")

@@ -1,0 +1,130 @@
+"""Scheduler and KV cache manager, step by step, without a model."""
+
+import pytest
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import SampleResult
+from pdserve.engine.scheduler import ModelRunnerOutput, Scheduler
+from pdserve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make(num_blocks=16, **cfg):
+    pool = BlockPool(num_blocks)
+    kv = KVCacheManager(pool, BS)
+    return Scheduler(SchedulerConfig(**cfg), kv, max_model_len=1000, stop_token_ids=[2]), pool
+
+
+def req(rid, n_prompt, max_tokens=4, first=10, **kw):
+    return Request(rid, list(range(first, first + n_prompt)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw), eos_token_id=2)
+
+
+def run_step(sched, token=7):
+    out = sched.schedule()
+    result = ModelRunnerOutput({c.request.request_id: SampleResult(token, None)
+                                for c in out.chunks if c.completes_sequence})
+    sched.update(out, result)
+    return out
+
+
+def drain(sched, limit=200):
+    for _ in range(limit):
+        if not sched.has_unfinished_requests():
+            return
+        run_step(sched)
+    raise AssertionError("scheduler did not finish")
+
+
+def test_chunked_prefill_then_decode_and_blocks_freed():
+    sched, pool = make(max_num_batched_tokens=6)
+    r = req("a", 10, max_tokens=3)
+    sched.add_request(r)
+    steps = [[(c.start, c.num_tokens) for c in run_step(sched).chunks] for _ in range(4)]
+    assert steps == [[(0, 6)], [(6, 4)], [(10, 1)], [(11, 1)]]
+    assert r.is_finished and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert r.num_output_tokens == 3
+    assert pool.num_free_blocks == 16
+
+
+def test_mixed_batch_respects_token_budget_and_max_seqs():
+    sched, _ = make(max_num_batched_tokens=8, max_num_seqs=2)
+    for i in range(3):
+        sched.add_request(req(str(i), 5))
+    out = sched.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("0", 5), ("1", 3)]
+    assert sched.num_waiting == 1  # max_num_seqs=2
+
+
+def test_prefix_cache_hit_counts_full_blocks_and_leaves_one_token():
+    sched, pool = make()
+    a = req("a", 9, max_tokens=1)
+    sched.add_request(a)
+    drain(sched)
+    b = req("b", 9, max_tokens=1)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 8 and out.chunks[0].start == 8
+    exact = req("c", 8, max_tokens=1)  # whole prompt cached: last block recomputed
+    sched.add_request(exact)
+    out = sched.schedule()
+    assert exact.num_cached_tokens == 4
+
+
+def test_preemption_recomputes_and_everything_is_freed():
+    sched, pool = make(num_blocks=6, max_num_batched_tokens=64)
+    reqs = [req(str(i), 8, max_tokens=12, first=100 * i) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    preempted = 0
+    for _ in range(300):
+        if not sched.has_unfinished_requests():
+            break
+        preempted += len(run_step(sched).preempted)
+    assert preempted > 0
+    assert all(r.num_output_tokens == 12 for r in reqs)
+    assert pool.num_free_blocks == 6
+
+
+def test_priority_policy_runs_urgent_first_and_preempts_least_urgent():
+    sched, _ = make(num_blocks=8, policy="priority", max_num_batched_tokens=64)
+    low = Request("low", list(range(8)), SamplingParams(max_tokens=20, ignore_eos=True),
+                  priority=5)
+    sched.add_request(low)
+    run_step(sched)
+    high = Request("high", list(range(50, 58)), SamplingParams(max_tokens=20, ignore_eos=True),
+                   priority=0)
+    sched.add_request(high)
+    for _ in range(40):
+        out = run_step(sched)
+        if out.preempted:
+            assert [r.request_id for r in out.preempted] == ["low"]
+            break
+    else:
+        pytest.fail("no preemption happened")
+
+
+def test_sequence_never_outgrows_the_cache():
+    sched, pool = make(num_blocks=3)
+    r = req("a", 5, max_tokens=100)
+    sched.add_request(r)
+    drain(sched)
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.num_tokens == 12
+    assert pool.num_free_blocks == 3
+
+
+def test_abort_frees_blocks_and_stop_token():
+    sched, pool = make()
+    a = req("a", 6, max_tokens=50)
+    b = Request("b", [1, 2, 3], SamplingParams(max_tokens=50, stop_token_ids=[7]))
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # both sample token 7
+    assert b.status == RequestStatus.FINISHED_STOPPED and b.stop_reason == 7
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert a.status == RequestStatus.FINISHED_ABORTED
+    assert pool.num_free_blocks == 16 and not sched.has_unfinished_requests()
