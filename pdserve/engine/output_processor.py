@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import ModelRunnerOutput
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
@@ -76,7 +76,10 @@ class OutputProcessor:
             sample = result.sampled.get(request.request_id)
             if sample is None:
                 continue
-            stop = seq.detokenizer.update([sample.token_id], request.num_output_tokens)
+            # A stop token or EOS that ended the request adds no text (as in vLLM).
+            stop = seq.detokenizer.update(
+                [sample.token_id], request.num_output_tokens,
+                stop_terminated=request.status == RequestStatus.FINISHED_STOPPED)
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 stopped.append(request)

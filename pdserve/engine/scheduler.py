@@ -65,6 +65,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
 
     # --- admission -------------------------------------------------------------------------
 
@@ -173,6 +174,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.insert(0, request)
 
     # --- after the model ran ---------------------------------------------------------------

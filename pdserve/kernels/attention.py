@@ -62,19 +62,24 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """One query per sequence. q: (B, h, d) -> (B, h, d)."""
+    """One query per sequence. q: (B, h, d) -> (B, h, d).
+
+    Written as two batched matmuls over the query heads grouped by KV head: on CPU this is an
+    order of magnitude faster than SDPA's masked GQA path for single-token queries.
+    """
     B, h, d = q.shape
-    block_size = k_cache.shape[1]
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     max_len = int(seq_lens.max())
-    max_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :max_blocks]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # (B, kvh, L, d)
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # (B, kvh, L, d)
-    positions = torch.arange(max_len, device=q.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=h != k.shape[1])  # (B, h, 1, d)
-    return out.squeeze(2)
+    tables = block_tables[:, :-(-max_len // block_size)]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # (B, L, kvh, d)
+    v = v_cache[tables].flatten(1, 2)[:, :max_len]  # (B, L, kvh, d)
+    qg = q.view(B, kvh, h // kvh, d)  # (B, kvh, g, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # (B, kvh, g, L)
+    pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # (B, L)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.matmul(probs, v.transpose(1, 2))  # (B, kvh, g, d)
+    return out.reshape(B, h, d)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -94,9 +99,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         v_all = gather_kv(v_cache, span.block_table, span.context_len)
         rows = torch.arange(n, device=q.device)[:, None] + past
         mask = torch.arange(span.context_len, device=q.device)[None, :] <= rows  # (n, ctx)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1), attn_mask=mask,
-        is_causal=mask is None, scale=scale, enable_gqa=h != k_all.shape[1])  # (h, n, d)
+    group = h // k_all.shape[1]
+    k_all = k_all.transpose(0, 1).repeat_interleave(group, dim=0)  # (h, ctx, d)
+    v_all = v_all.transpose(0, 1).repeat_interleave(group, dim=0)  # (h, ctx, d)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k_all, v_all, attn_mask=mask,
+                                         is_causal=mask is None, scale=scale)  # (h, n, d)
     return out.transpose(0, 1)
 
 

@@ -1,0 +1,308 @@
+"""Batched token sampling from logits, with vLLM's logits processing and logprobs semantics.
+
+Order of processing (as in vLLM v1): allowed_token_ids mask, bad words, min_tokens, logit_bias,
+repetition / frequency / presence penalties; then greedy rows take the argmax, random rows go
+through temperature, min_p, top_k, top_p and an exponential race (per-row generator if seeded).
+Logprobs are always those of the raw logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.request import Request
+    from pdserve.sampling_params import SamplingParams
+
+_SAMPLING_EPS = 1e-5
+_NEG_INF = float("-inf")
+_PROMPT_CHUNK = 1024
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    # token id -> (logprob, 1-based rank) under the raw logits; None unless logprobs requested.
+    logprobs: dict[int, tuple[float, int]] | None
+
+
+class Sampler:
+    """Samples one token per row. Reads rows, never writes them (seeded rows advance their
+    own `generator`)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[Request]) -> list[SampleResult]:
+        """logits: (B, V') with V' >= vocab_size; row i of logits belongs to rows[i]."""
+        logits = logits[:, : self.vocab_size]  # (B, V)
+        params = [row.sampling_params for row in rows]
+        greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        want_logprobs = [p.logprobs is not None for p in params]
+        needs_processing = any(_needs_processing(row) for row in rows)
+
+        if all(greedy) and not needs_processing and not any(want_logprobs):
+            return [SampleResult(t, None) for t in logits.argmax(dim=-1).tolist()]
+
+        raw = logits
+        if needs_processing:
+            processed = self.process_logits(logits, rows)
+        else:
+            processed = logits.to(torch.float32)  # (B, V)
+        tokens = _sample(processed, rows, greedy)  # (B,)
+
+        results = [SampleResult(t, None) for t in tokens.tolist()]
+        idx = [i for i, want in enumerate(want_logprobs) if want]
+        if idx:
+            ks = [params[i].logprobs for i in idx]
+            dicts = _logprob_dicts(raw[idx], tokens[idx], ks)
+            for i, d in zip(idx, dicts):
+                results[i].logprobs = d
+        return results
+
+    def process_logits(self, logits: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor:
+        """A float32 copy (B, V) of logits with allowed_token_ids, bad words, min_tokens,
+        logit_bias and the penalties applied: what greedy rows take the argmax of."""
+        out = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # (B, V)
+        _apply_masks_and_bias(out, rows)
+        _apply_penalties(out, rows)
+        return out
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], k: int
+) -> list[dict[int, tuple[float, int]]]:
+    """logits: (T, V) at prompt positions; entry t gives next_token_ids[t] and the top-k
+    (k = -1: whole vocab) as token id -> (logprob, rank)."""
+    out: list[dict[int, tuple[float, int]]] = []
+    targets = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)  # (T,)
+    for start in range(0, logits.shape[0], _PROMPT_CHUNK):
+        stop = start + _PROMPT_CHUNK
+        chunk = logits[start:stop]
+        out.extend(_logprob_dicts(chunk, targets[start:stop], [k] * chunk.shape[0]))
+    return out
+
+
+def _needs_processing(row: Request) -> bool:
+    p = row.sampling_params
+    return bool(
+        p.logit_bias
+        or p.allowed_token_ids is not None
+        or row.bad_words_token_ids
+        or (p.min_tokens and len(row.output_token_ids) < p.min_tokens)
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+    )
+
+
+def _index(rows: list[int], cols: list[int],
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(cols, dtype=torch.long, device=device))
+
+
+def _banned_tokens(row: Request) -> list[int]:
+    """Bad-word completions and, below min_tokens, the stop tokens (EOS unless ignore_eos)."""
+    p = row.sampling_params
+    out = row.output_token_ids
+    banned: list[int] = []
+    for word in row.bad_words_token_ids:
+        if not word:
+            continue
+        prefix_len = len(word) - 1
+        if prefix_len == 0 or (prefix_len <= len(out) and out[len(out) - prefix_len:] == word[:-1]):
+            banned.append(word[-1])
+    if p.min_tokens and len(out) < p.min_tokens:
+        banned.extend(p.stop_token_ids or ())
+        if row.eos_token_id is not None and not p.ignore_eos:
+            banned.append(row.eos_token_id)
+    return banned
+
+
+def _apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[Request]) -> None:
+    """In place on logits (B, V): allowed_token_ids, bad words, min_tokens, logit_bias."""
+    vocab = logits.shape[1]
+    device = logits.device
+
+    allowed = [i for i, row in enumerate(rows) if row.sampling_params.allowed_token_ids is not None]
+    if allowed:
+        mask = torch.ones(len(allowed), vocab, dtype=torch.bool, device=device)  # (n, V)
+        r, c = [], []
+        for j, i in enumerate(allowed):
+            ids = [t for t in rows[i].sampling_params.allowed_token_ids if 0 <= t < vocab]
+            r.extend([j] * len(ids))
+            c.extend(ids)
+        mask[_index(r, c, device)] = False
+        idx = torch.tensor(allowed, dtype=torch.long, device=device)
+        logits[idx] = logits[idx].masked_fill(mask, _NEG_INF)
+
+    r, c = [], []
+    for i, row in enumerate(rows):
+        ids = [t for t in _banned_tokens(row) if 0 <= t < vocab]
+        r.extend([i] * len(ids))
+        c.extend(ids)
+    if r:
+        logits[_index(r, c, device)] = _NEG_INF
+
+    r, c, v = [], [], []
+    for i, row in enumerate(rows):
+        for t, bias in (row.sampling_params.logit_bias or {}).items():
+            if 0 <= t < vocab:
+                r.append(i)
+                c.append(t)
+                v.append(bias)
+    if r:
+        values = torch.tensor(v, dtype=logits.dtype, device=device)
+        logits.index_put_(_index(r, c, device), values, accumulate=True)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[Request]) -> None:
+    """In place on logits (B, V). Repetition penalty over prompt + output tokens (divide positive
+    logits, multiply negative ones); frequency and presence penalties over output tokens."""
+    vocab = logits.shape[1]
+    device = logits.device
+
+    rep = [i for i, row in enumerate(rows) if row.sampling_params.repetition_penalty != 1.0]
+    if rep:
+        r, c = [], []
+        for j, i in enumerate(rep):
+            ids = [t for t in rows[i].prompt_token_ids + rows[i].output_token_ids if 0 <= t < vocab]
+            r.extend([j] * len(ids))
+            c.extend(ids)
+        seen = torch.zeros(len(rep), vocab, dtype=torch.bool, device=device)  # (n, V)
+        seen[_index(r, c, device)] = True
+        penalty = torch.tensor([rows[i].sampling_params.repetition_penalty for i in rep],
+                               dtype=logits.dtype, device=device).unsqueeze(1)  # (n, 1)
+        idx = torch.tensor(rep, dtype=torch.long, device=device)
+        sub = logits[idx]  # (n, V)
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[idx] = torch.where(seen, penalized, sub)
+
+    freq = [i for i, row in enumerate(rows)
+            if row.sampling_params.frequency_penalty or row.sampling_params.presence_penalty]
+    if freq:
+        r, c = [], []
+        for j, i in enumerate(freq):
+            ids = [t for t in rows[i].output_token_ids if 0 <= t < vocab]
+            r.extend([j] * len(ids))
+            c.extend(ids)
+        counts = torch.zeros(len(freq), vocab, dtype=logits.dtype, device=device)  # (n, V)
+        ones = torch.ones(len(r), dtype=logits.dtype, device=device)
+        counts.index_put_(_index(r, c, device), ones, accumulate=True)
+        fp = torch.tensor([[rows[i].sampling_params.frequency_penalty] for i in freq],
+                          dtype=logits.dtype, device=device)  # (n, 1)
+        pp = torch.tensor([[rows[i].sampling_params.presence_penalty] for i in freq],
+                          dtype=logits.dtype, device=device)  # (n, 1)
+        idx = torch.tensor(freq, dtype=torch.long, device=device)
+        logits[idx] = logits[idx] - fp * counts - pp * (counts > 0).to(logits.dtype)
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[Request], greedy: list[bool]) -> torch.Tensor:
+    """logits: (B, V) processed. Returns token ids (B,) long."""
+    device = logits.device
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)  # (B,)
+    greedy_idx = [i for i, g in enumerate(greedy) if g]
+    random_idx = [i for i, g in enumerate(greedy) if not g]
+    if greedy_idx:
+        idx = torch.tensor(greedy_idx, dtype=torch.long, device=device)
+        tokens[idx] = logits[idx].argmax(dim=-1)
+    if random_idx:
+        idx = torch.tensor(random_idx, dtype=torch.long, device=device)
+        sub_rows = [rows[i] for i in random_idx]
+        probs = sampling_probs(logits[idx], [r.sampling_params for r in sub_rows])  # (n, V)
+        tokens[idx] = _exponential_race(probs, sub_rows)
+    return tokens
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution random rows draw from: logits (n, V) (already processed) divided by
+    temperature, then min_p, top_k and top_p filters (in that order, as vLLM). Returns (n, V)."""
+    device = logits.device
+    vocab = logits.shape[1]
+    temps = torch.tensor([[p.temperature] for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temps  # (n, V)
+
+    def column(values: list[float], rows: list[int]) -> torch.Tensor:  # (m, 1)
+        return torch.tensor([[values[j]] for j in rows], dtype=logits.dtype, device=device)
+
+    min_p = [p.min_p for p in params]
+    rows = [j for j, m in enumerate(min_p) if m > 0.0]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        sub = logits[idx]  # (m, V)
+        probs = sub.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * column(min_p, rows)  # (m, 1)
+        logits[idx] = sub.masked_fill(probs < threshold, _NEG_INF)
+
+    top_k = [p.top_k for p in params]
+    rows = [j for j, k in enumerate(top_k) if 0 < k < vocab]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        sub = logits[idx]  # (m, V)
+        k = torch.tensor([[top_k[j] - 1] for j in rows], dtype=torch.long, device=device)
+        kth = sub.topk(max(top_k[j] for j in rows), dim=-1).values.gather(1, k)  # (m, 1)
+        logits[idx] = sub.masked_fill(sub < kth, _NEG_INF)
+
+    top_p = [p.top_p for p in params]
+    rows = [j for j, p in enumerate(top_p) if p < 1.0]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        sub = logits[idx]  # (m, V)
+        sorted_logits, order = sub.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        better_mass = torch.zeros_like(sorted_probs)  # mass of the tokens ranked above
+        better_mass[:, 1:] = sorted_probs.cumsum(dim=-1)[:, :-1]
+        drop_sorted = better_mass >= column(top_p, rows)
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits[idx] = sub.masked_fill(drop, _NEG_INF)
+
+    return logits.softmax(dim=-1)
+
+
+def _exponential_race(probs: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor:
+    """probs: (n, V). argmax(probs / q) with q ~ Exp(1) draws a token with probability probs.
+    A seeded row draws q from its own generator only, so its token ignores the rest of the
+    batch; other rows share the global RNG."""
+    q = torch.empty_like(probs)  # (n, V)
+    unseeded = [j for j, row in enumerate(rows) if row.generator is None]
+    if unseeded:
+        idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
+        q[idx] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype,
+                             device=probs.device).exponential_()
+    for j, row in enumerate(rows):
+        gen = row.generator
+        if gen is not None:
+            draw = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
+            q[j] = draw.exponential_(generator=gen).to(probs.device)
+    return (probs / q).argmax(dim=-1)
+
+
+def _logprob_dicts(
+    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+) -> list[dict[int, tuple[float, int]]]:
+    """logits: (n, V) raw; token_ids: (n,). Per row: token_ids[i] and the top ks[i] tokens
+    (-1: all) -> (logprob, rank); rank counts the tokens with logprob >= its own, like vLLM."""
+    vocab = logits.shape[1]
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # (n, V)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (n, 1)
+    ranks = (logprobs >= chosen).sum(dim=-1)  # (n,)
+    ks = [vocab if k == -1 else min(k, vocab) for k in ks]
+    max_k = max(ks)
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if max_k > 0:
+        vals, ids = logprobs.topk(max_k, dim=-1)  # (n, max_k)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    out = []
+    for i, (token, lp, rank) in enumerate(zip(token_ids.tolist(), chosen.squeeze(1).tolist(),
+                                              ranks.tolist())):
+        d = {token: (lp, rank)}
+        for r in range(ks[i]):
+            d[top_ids[i][r]] = (top_vals[i][r], r + 1)
+        out.append(d)
+    return out

@@ -1,0 +1,136 @@
+"""ModelArch: the immutable shape description of a Llama-family decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+# model_type -> architecture, for configs that carry no `architectures` list (e.g. GGUF).
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def check_architecture(architecture: str) -> None:
+    """Raise ValueError unless `architecture` is one pdserve can run."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ValueError(
+            f"model: architecture {architecture!r} is not supported (supported: {supported})"
+        )
+
+
+def _freeze(value: Any) -> Any:
+    """Turn lists (e.g. longrope factors) into tuples so the value is hashable."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _rope(cfg: Any) -> tuple[float, tuple[tuple[str, object], ...] | None]:
+    """Return (rope_theta, hashable rope scaling) for transformers v4 and v5 configs."""
+    params = getattr(cfg, "rope_parameters", None)  # transformers >= 5
+    if not isinstance(params, dict):
+        params = dict(getattr(cfg, "rope_scaling", None) or {})  # transformers 4.x
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    theta = float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default") and set(scaling) <= {"rope_type", "type"}:
+        return theta, None
+    return theta, tuple(sorted((k, _freeze(v)) for k, v in scaling.items()))
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _dtype_name(value: Any) -> str:
+    if value is None:
+        return "float32"
+    return str(value).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Hyper-parameters of a Llama/Qwen2/Mistral decoder, independent of transformers."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, object], ...] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, object] | None:
+        """The rope scaling as a plain dict (HF layout, without rope_theta), or None."""
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, generation_config: Any = None) -> "ModelArch":
+        """Build from a transformers PretrainedConfig (and optional GenerationConfig)."""
+        archs = getattr(cfg, "architectures", None) or []
+        if archs:
+            architecture = archs[0]
+        else:
+            model_type = getattr(cfg, "model_type", "")
+            architecture = _MODEL_TYPE_TO_ARCH.get(model_type, f"<model_type {model_type!r}>")
+        check_architecture(architecture)
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError("model: mlp_bias=True is not supported")
+
+        heads = int(cfg.num_attention_heads)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        if architecture == "Qwen2ForCausalLM":
+            attention_bias = True  # Qwen2 always has q/k/v biases
+        else:
+            attention_bias = bool(getattr(cfg, "attention_bias", False))
+        rope_theta, rope_scaling = _rope(cfg)
+
+        eos: list[int] = []
+        if generation_config is not None:
+            eos += _as_ids(getattr(generation_config, "eos_token_id", None))
+        eos += _as_ids(getattr(cfg, "eos_token_id", None))
+        bos = getattr(cfg, "bos_token_id", None)
+        dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
+
+        return cls(
+            architecture=architecture,
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.intermediate_size),
+            num_hidden_layers=int(cfg.num_hidden_layers),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            torch_dtype=_dtype_name(dtype),
+        )

@@ -1,0 +1,254 @@
+"""Sampling parameters for text generation, with vLLM's field names, defaults and checks."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_EPS = 1e-5
+_MIN_TEMP = 1e-2
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput carries: everything so far, only the new part, or only the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parse_token_id(key: Any) -> int | None:
+    """An int key as is, a str key such as "50256" (OpenAI sends those) as its int, else None."""
+    if _is_int(key):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _int_list(name: str, value: Any) -> list[int]:
+    if not isinstance(value, (list, tuple, set)):
+        raise ValueError(f"{name} must be a list of ints, got {value!r}")
+    for item in value:
+        if not _is_int(item) or item < 0:
+            raise ValueError(f"{name} must contain non-negative ints, got {item!r}")
+    return list(value)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for text generation (OpenAI completion semantics, as in vLLM).
+
+    Invalid values raise ValueError naming the field and the value. `top_k=-1` is stored as 0
+    (all tokens), a string `stop` becomes a one-element list, `stop_token_ids=None` becomes [].
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify_args()
+        if self.temperature < _SAMPLING_EPS:
+            # Zero temperature means greedy: the filters cannot change the argmax.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
+
+    def _normalize(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop_token_ids = (
+            [] if self.stop_token_ids is None else _int_list("stop_token_ids", self.stop_token_ids)
+        )
+        if self.top_k == -1:
+            self.top_k = 0
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
+        if 0 < self.temperature < _MIN_TEMP:
+            logger.warning("temperature %s is below %s; raised to %s to avoid inf/nan",
+                           self.temperature, _MIN_TEMP, _MIN_TEMP)
+            self.temperature = _MIN_TEMP
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+        kind = self.output_kind
+        if isinstance(kind, int) and not isinstance(kind, RequestOutputKind):
+            if kind not in (0, 1, 2):
+                raise ValueError(f"output_kind must be 0, 1 or 2, got {kind!r}")
+            self.output_kind = RequestOutputKind(kind)
+
+    @staticmethod
+    def _normalize_logit_bias(bias: Any) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            token_id = _parse_token_id(key)
+            if token_id is None:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if token_id < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}")
+            if not _is_number(value):
+                raise ValueError(
+                    f"logit_bias values must be numbers, got {value!r} for token {token_id}")
+            out[token_id] = float(value)
+        return out
+
+    def _verify_args(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int of at least 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(
+                f"top_k must be -1 or 0 (disable) or a positive int, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int of at least 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative int, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(
+                    f"{name} must be a non-negative int, -1 (full vocab) or None, got {value!r}")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only strings, got {s!r}")
+            if not s:
+                raise ValueError(f"stop cannot contain an empty string, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop strings are only supported when detokenize is True, got stop={self.stop!r} "
+                "with detokenize=False")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError(f"allowed_token_ids must not be empty, got {self.allowed_token_ids!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id in logit_bias / allowed_token_ids / stop_token_ids is
+        outside [0, vocab_size), or if allowed_token_ids is an empty list."""
+        fields = {
+            "logit_bias": list(self.logit_bias or ()),
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "stop_token_ids": self.stop_token_ids or [],
+        }
+        for name, ids in fields.items():
+            for token_id in ids:
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(
+                        f"{name} contains out-of-vocab token id {token_id} "
+                        f"(vocab size {vocab_size})")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError(f"allowed_token_ids must not be empty, got {self.allowed_token_ids!r}")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy."""
+        return copy.deepcopy(self)
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """The ids that end generation besides EOS (the engine adds EOS unless ignore_eos)."""
+        return set(self.stop_token_ids or ())
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a streamed text may hold back because they could begin a stop string."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0

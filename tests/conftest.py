@@ -1,0 +1,23 @@
+"""Shared pytest fixtures: a tiny random Llama checkpoint and the bundled SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory of a 2-layer random Llama (float32, real SmolLM2 tokenizer), written once."""
+    from pdserve.models.tiny import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Absolute path of the bundled SmolLM2-135M-Instruct Q4_1 .gguf file."""
+    from pdserve.models.loader import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL).path
