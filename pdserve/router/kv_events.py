@@ -1,0 +1,119 @@
+"""KV events on the wire: what an engine instance tells the prefix index about its cache.
+
+An instance drains its block pool's events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`)
+into a `KVEventBatch` and numbers batches 0, 1, 2, ... A batch with seq 0 announces a fresh
+instance (first start or restart: its cache is empty). A receiver that sees a gap, or a seq that
+went backwards, has missed something and must resync that instance from a full snapshot.
+
+`to_dict`/`from_dict` give a JSON-able form. Block hashes are ints in [0, 2^63), which JSON
+carries exactly in Python (and in any int64-aware decoder).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+_HASH_LIMIT = 1 << 63
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """One instance's KV events since its previous batch.
+
+    `medium` says which tier the stored blocks live in ("gpu", "cpu", ...); the prefix index
+    records it next to each block.
+    """
+
+    instance_id: str
+    seq: int
+    events: tuple[KVEvent, ...]
+    timestamp: float = field(default_factory=time.time)
+    medium: str = "gpu"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.instance_id, str) or not self.instance_id:
+            raise ValueError("instance_id: must be a non-empty string")
+        if not isinstance(self.seq, int) or self.seq < 0:
+            raise ValueError(f"seq: must be an int >= 0, got {self.seq!r}")
+        object.__setattr__(self, "events", tuple(self.events))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "instance_id": self.instance_id,
+            "seq": self.seq,
+            "timestamp": self.timestamp,
+            "medium": self.medium,
+            "events": [event_to_dict(e) for e in self.events],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVEventBatch:
+        """Inverse of `to_dict`; raises ValueError naming the bad field."""
+        try:
+            events = data["events"]
+            return cls(
+                instance_id=data["instance_id"],
+                seq=data["seq"],
+                events=tuple(event_from_dict(e) for e in events),
+                timestamp=float(data.get("timestamp", 0.0)),
+                medium=str(data.get("medium", "gpu")),
+            )
+        except KeyError as e:
+            raise ValueError(f"{e.args[0]}: missing from KV event batch") from None
+
+
+def event_to_dict(event: KVEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        return {"type": "stored", "block_hashes": list(event.block_hashes),
+                "parent_hash": event.parent_hash, "num_tokens": event.num_tokens}
+    if isinstance(event, BlockRemoved):
+        return {"type": "removed", "block_hashes": list(event.block_hashes)}
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "all_cleared"}
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def event_from_dict(data: dict[str, Any]) -> KVEvent:
+    kind = data.get("type")
+    if kind == "stored":
+        parent = data.get("parent_hash")
+        return BlockStored(_hashes(data.get("block_hashes")),
+                           None if parent is None else _hash(parent, "parent_hash"),
+                           int(data.get("num_tokens", 0)))
+    if kind == "removed":
+        return BlockRemoved(_hashes(data.get("block_hashes")))
+    if kind == "all_cleared":
+        return AllBlocksCleared()
+    raise ValueError(f"events.type: unknown KV event type {kind!r}")
+
+
+def _hash(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _HASH_LIMIT:
+        raise ValueError(f"{name}: block hash must be an int in [0, 2^63), got {value!r}")
+    return value
+
+
+def _hashes(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list | tuple):
+        raise ValueError("block_hashes: must be a list of ints")
+    return tuple(_hash(v, "block_hashes") for v in values)
+
+
+class KVEventSequencer:
+    """Numbers an instance's batches: the first is seq 0 (fresh instance), then +1 each."""
+
+    def __init__(self, instance_id: str, medium: str = "gpu"):
+        self.instance_id = instance_id
+        self.medium = medium
+        self.next_seq = 0
+
+    def batch(self, events: Iterable[KVEvent]) -> KVEventBatch:
+        batch = KVEventBatch(self.instance_id, self.next_seq, tuple(events), time.time(),
+                             self.medium)
+        self.next_seq += 1
+        return batch

@@ -1,0 +1,281 @@
+"""Prefix index in Redis, shared by every router that points at the same Redis and key prefix.
+
+Key schema (P = key prefix, "pdserve" by default; hashes are decimal ints in [0, 2^63)):
+
+    P:blk:<hash>      HASH   instance id -> "<medium>:<timestamp>"   who holds this block, in
+                             which tier ("gpu", "cpu", ...) since the batch time (Unix seconds)
+    P:iblk:<id>       SET    block hashes held by instance <id> (for removal and cleanup)
+    P:seq:<id>        STRING last applied KV event batch seq of <id>
+    P:inst:<id>       STRING heartbeat info of <id> (JSON), PX TTL = ttl; exists <=> live
+    P:instances       ZSET   instance id -> deadline (Redis server ms) of every instance the
+                             index knows; lapsed members are swept (all their keys removed)
+
+Every write is one Lua script, so the seq check and the writes are atomic with respect to other
+routers, and deadlines come from the Redis server clock (routers' clocks may disagree). Scripts
+touch keys they do not declare, so this runs on a single Redis (or a primary with replicas),
+not Redis Cluster. Sweeping a lapsed instance with many blocks blocks Redis for a few ms per
+10,000 blocks, once.
+
+`match()` is one round trip: a pipeline of HKEYS P:blk:<hash> for the prompt's blocks plus one
+small script listing live instances; the prefix walk (stop at an instance's first miss) runs here.
+
+No router-local truth: the only local state is an outage flag. On a Redis error (socket timeouts
+are short) methods answer {} / False, count `errors`, log one warning per outage, and skip Redis
+for `retry_interval_s` before trying again; redis-py reconnects by itself. After Redis restarts
+empty, the next heartbeats re-register instances and `apply()` refuses batches (seq unknown) until
+the publisher resyncs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.router.kv_events import KVEventBatch
+from pdserve.router.prefix_index import PrefixIndex, PrefixIndexConfig
+
+log = logging.getLogger(__name__)
+
+# ARGV[1] is the key prefix with its trailing ':'. Lapsed instances are swept by every write.
+_LUA_PRELUDE = """
+local P = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function drop_blocks(id)
+  local setk = P .. 'iblk:' .. id
+  local hs = redis.call('SMEMBERS', setk)
+  for i = 1, #hs do redis.call('HDEL', P .. 'blk:' .. hs[i], id) end
+  redis.call('DEL', setk)
+end
+local function forget(id)
+  drop_blocks(id)
+  redis.call('DEL', P .. 'seq:' .. id, P .. 'inst:' .. id)
+  redis.call('ZREM', P .. 'instances', id)
+end
+local function sweep()
+  local ids = redis.call('ZRANGEBYSCORE', P .. 'instances', '-inf', now)
+  for i = 1, #ids do forget(ids[i]) end
+  return #ids
+end
+"""
+
+# ARGV: prefix, id, seq, value, ttl_ms, ops... ('+h' stored, '-h' removed, '!' all cleared)
+_LUA_APPLY = _LUA_PRELUDE + """
+local id, seq, val, ttl = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+sweep()
+local seqk = P .. 'seq:' .. id
+local last = redis.call('GET', seqk)
+if last then last = tonumber(last) end
+if last and seq == last then return 1 end
+if seq == 0 then
+  drop_blocks(id)
+elseif not last or seq ~= last + 1 then
+  return 0
+end
+local setk = P .. 'iblk:' .. id
+for i = 6, #ARGV do
+  local op = ARGV[i]
+  local c, h = string.sub(op, 1, 1), string.sub(op, 2)
+  if c == '+' then
+    redis.call('HSET', P .. 'blk:' .. h, id, val)
+    redis.call('SADD', setk, h)
+  elseif c == '-' then
+    redis.call('HDEL', P .. 'blk:' .. h, id)
+    redis.call('SREM', setk, h)
+  else
+    drop_blocks(id)
+  end
+end
+redis.call('SET', seqk, ARGV[3])
+redis.call('ZADD', P .. 'instances', 'NX', now + ttl, id)
+return 1
+"""
+
+# ARGV: prefix, id, seq, value, ttl_ms, hashes...
+_LUA_RESYNC = _LUA_PRELUDE + """
+local id, val, ttl = ARGV[2], ARGV[4], tonumber(ARGV[5])
+sweep()
+drop_blocks(id)
+local setk = P .. 'iblk:' .. id
+for i = 6, #ARGV do
+  redis.call('HSET', P .. 'blk:' .. ARGV[i], id, val)
+  redis.call('SADD', setk, ARGV[i])
+end
+redis.call('SET', P .. 'seq:' .. id, ARGV[3])
+redis.call('ZADD', P .. 'instances', 'NX', now + ttl, id)
+return 1
+"""
+
+# ARGV: prefix, id, info json, ttl_ms
+_LUA_HEARTBEAT = _LUA_PRELUDE + """
+sweep()
+redis.call('SET', P .. 'inst:' .. ARGV[2], ARGV[3], 'PX', ARGV[4])
+redis.call('ZADD', P .. 'instances', now + tonumber(ARGV[4]), ARGV[2])
+return 1
+"""
+
+# ARGV: prefix, id
+_LUA_REMOVE = _LUA_PRELUDE + "forget(ARGV[2])\nreturn 1\n"
+
+# ARGV: prefix
+_LUA_SWEEP = _LUA_PRELUDE + "return sweep()\n"
+
+# ARGV: prefix, with_info ('1' -> id, info pairs; '0' -> ids). Read-only.
+_LUA_LIVE = """
+local P = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ids = redis.call('ZRANGEBYSCORE', P .. 'instances', '(' .. now, '+inf')
+local out = {}
+for i = 1, #ids do
+  local info = redis.call('GET', P .. 'inst:' .. ids[i])
+  if info then
+    out[#out + 1] = ids[i]
+    if ARGV[2] == '1' then out[#out + 1] = info end
+  end
+end
+return out
+"""
+
+
+class RedisPrefixIndex(PrefixIndex):
+    """Prefix index kept in Redis (schema in the module docstring)."""
+
+    def __init__(self, url: str = "redis://localhost:6379/0", *, key_prefix: str = "pdserve",
+                 ttl_s: float = 10.0, socket_timeout_s: float = 0.1,
+                 retry_interval_s: float = 0.5):
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.url = url
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self.retry_interval_s = retry_interval_s
+        self.errors = 0
+        self._p = key_prefix + ":"
+        # One immediate retry absorbs a pooled connection that the server closed (restart);
+        # redis-py's default retries back off for seconds, which a router cannot afford.
+        self._r = redis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 1), decode_responses=True)
+        self._state_lock = threading.Lock()
+        self._down = False
+        self._skip_until = 0.0
+
+    @classmethod
+    def from_config(cls, config: PrefixIndexConfig) -> RedisPrefixIndex:
+        return cls(config.redis_url, key_prefix=config.key_prefix, ttl_s=config.ttl_s,
+                   socket_timeout_s=config.socket_timeout_s,
+                   retry_interval_s=config.retry_interval_s)
+
+    # --- events ---------------------------------------------------------------------------
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        ops: list[str] = []
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                ops.extend(f"+{h}" for h in event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                ops.extend(f"-{h}" for h in event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                ops.append("!")
+        value = f"{batch.medium}:{batch.timestamp:.3f}"
+        done = self._guarded(0, self._r.eval, _LUA_APPLY, 0, self._p, batch.instance_id,
+                             batch.seq, value, self.ttl_ms, *ops)
+        return done == 1
+
+    def resync(self, instance_id: str, block_hashes: Sequence[int], seq: int,
+               medium: str = "gpu") -> bool:
+        if seq < -1:
+            raise ValueError(f"seq: must be >= -1, got {seq}")
+        value = f"{medium}:{time.time():.3f}"
+        done = self._guarded(0, self._r.eval, _LUA_RESYNC, 0, self._p, instance_id, seq, value,
+                             self.ttl_ms, *block_hashes)
+        return done == 1
+
+    # --- queries --------------------------------------------------------------------------
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        return self._guarded({}, self._match, block_hashes)
+
+    def _match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        pipe = self._r.pipeline(transaction=False)
+        pipe.eval(_LUA_LIVE, 0, self._p, "0")
+        blk = self._p + "blk:"
+        for h in block_hashes:
+            pipe.hkeys(f"{blk}{h}")
+        live, *holders_per_block = pipe.execute()
+        result = dict.fromkeys(live, 0)
+        active = set(live)
+        n = 0
+        for holders in holders_per_block:
+            if not active or not holders:
+                break
+            still = active.intersection(holders)
+            for i in active.difference(still):
+                result[i] = n
+            active = still
+            n += 1
+        for i in active:
+            result[i] = n
+        return result
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        flat = self._guarded([], self._r.eval, _LUA_LIVE, 0, self._p, "1")
+        return {flat[i]: json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def num_blocks(self, instance_id: str) -> int:
+        return self._guarded(0, self._r.scard, f"{self._p}iblk:{instance_id}")
+
+    # --- registry -------------------------------------------------------------------------
+
+    def heartbeat(self, instance_id: str, info: dict[str, Any]) -> None:
+        self._guarded(0, self._r.eval, _LUA_HEARTBEAT, 0, self._p, instance_id,
+                      json.dumps(info), self.ttl_ms)
+
+    def remove_instance(self, instance_id: str) -> None:
+        self._guarded(0, self._r.eval, _LUA_REMOVE, 0, self._p, instance_id)
+
+    def sweep(self) -> int:
+        return self._guarded(0, self._r.eval, _LUA_SWEEP, 0, self._p)
+
+    def ping(self) -> bool:
+        """One round trip to Redis; False when it is unreachable."""
+        return bool(self._guarded(False, self._r.ping))
+
+    def close(self) -> None:
+        self._r.close()
+
+    # --- outage handling ------------------------------------------------------------------
+
+    def _guarded(self, default: Any, fn: Any, *args: Any) -> Any:
+        """Run one Redis call; on failure count it, warn once per outage and return default."""
+        if self._down and time.monotonic() < self._skip_until:
+            with self._state_lock:
+                self.errors += 1
+            return default
+        try:
+            out = fn(*args)
+        except (redis.RedisError, OSError) as e:
+            with self._state_lock:
+                self.errors += 1
+                self._skip_until = time.monotonic() + self.retry_interval_s
+                first = not self._down
+                self._down = True
+            if first:
+                log.warning("prefix index: Redis at %s failed (%s: %s); routing without prefix "
+                            "information until it answers again", self.url, type(e).__name__, e)
+            return default
+        if self._down:
+            with self._state_lock:
+                was_down, self._down = self._down, False
+            if was_down:
+                log.warning("prefix index: Redis at %s answers again", self.url)
+        return out
