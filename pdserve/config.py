@@ -84,6 +84,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     policy: str = "fcfs"  # or "priority": lower value first, then arrival
     enable_chunked_prefill: bool = True
+    # Disaggregation: how long a finished prefill's blocks wait for the decode side to read
+    # them, and what the decode side does when a read fails ("recompute" or "fail").
+    kv_lease_s: float = 30.0
+    kv_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -93,6 +97,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"kv_lease_s must be positive, got {self.kv_lease_s}")
+        if self.kv_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', "
+                             f"got {self.kv_failure_policy!r}")
 
 
 @dataclass(frozen=True)

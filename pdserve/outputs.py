@@ -60,6 +60,7 @@ class RequestOutput:
     encoder_prompt_token_ids: list[int] | None = None
     num_cached_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None  # why a request ended with finish_reason "error"
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one: with `aggregate`, append

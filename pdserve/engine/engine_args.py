@@ -31,6 +31,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    kv_lease_s: float = 30.0
+    kv_failure_policy: str = "recompute"
     device: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
@@ -48,7 +50,8 @@ class EngineArgs:
         cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
-                                    self.scheduling_policy, self.enable_chunked_prefill)
+                                    self.scheduling_policy, self.enable_chunked_prefill,
+                                    self.kv_lease_s, self.kv_failure_policy)
         return EngineConfig(model, cache, scheduler, device)
 
     @staticmethod

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 
 from pdserve.config import ModelConfig
 from pdserve.engine.request import Request
+from pdserve.engine.sampler import skip_seeded_draws
+from pdserve.kv_transfer.connector import KVHandle
 from pdserve.sampling_params import SamplingParams
 
 
@@ -54,11 +56,16 @@ class InputProcessor:
     def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, priority: int = 0,
                       kv_transfer_params: dict | None = None) -> list[Request]:
-        """One Request per output sequence; child i of n > 1 is seeded with seed + i."""
+        """One Request per output sequence; child i of n > 1 is seeded with seed + i.
+
+        `kv_transfer_params` on a decode instance: {"remote_handle": KVHandle dict or None,
+        "output_token_ids": tokens already sampled by the prefill instance}.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, "
                              f"got {type(params).__name__}")
         params.verify_vocab(self.vocab_size)
+        remote_kv, prefilled = self._remote_inputs(kv_transfer_params or {}, params)
         bad_words = self._tokenize_bad_words(params.bad_words or [])
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
@@ -71,11 +78,29 @@ class InputProcessor:
                 if params.seed is not None:
                     child_params.seed = params.seed + i
                 rid = f"{i}_{request_id}"
-            children.append(Request(
+            child = Request(
                 request_id=rid, prompt_token_ids=list(prompt_ids), sampling_params=child_params,
                 eos_token_id=self.eos_token_id, priority=priority, arrival_time=arrival,
-                bad_words_token_ids=bad_words, kv_transfer_params=kv_transfer_params))
+                bad_words_token_ids=bad_words, kv_transfer_params=kv_transfer_params,
+                remote_kv=remote_kv, output_token_ids=list(prefilled))
+            if child.generator is not None and not child_params.is_greedy:
+                skip_seeded_draws(child.generator, self.vocab_size, len(prefilled))
+            children.append(child)
         return children
+
+    def _remote_inputs(self, kv: dict, params: SamplingParams) -> tuple[KVHandle | None,
+                                                                          list[int]]:
+        handle = kv.get("remote_handle")
+        remote_kv = KVHandle.from_dict(handle) if handle else None
+        prefilled = list(kv.get("output_token_ids") or [])
+        if prefilled and params.n != 1:
+            raise ValueError("n: must be 1 for a request continuing a remote prefill")
+        for t in prefilled:
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"output_token_ids: token id {t!r} is outside the vocabulary")
+        if params.max_tokens is not None and len(prefilled) >= params.max_tokens:
+            raise ValueError("output_token_ids: already as many as max_tokens")
+        return remote_kv, prefilled
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         out: list[list[int]] = []

@@ -23,6 +23,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_tables: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # Blocks of finished prefills kept for a remote reader: request id -> (blocks, deadline).
+        self.leases: dict[str, tuple[list[int], float]] = {}
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks matching the request's prefix, and the tokens they cover.
@@ -76,9 +78,36 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.release(list(reversed(table)))
 
+    def lease(self, request: Request, deadline: float) -> list[int]:
+        """Keep a finished request's blocks pinned for a reader until released or `deadline`
+        (time.monotonic()); returns the pinned blocks."""
+        table = self.block_tables.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.leases[request.request_id] = (table, deadline)
+        return table
+
+    def release_lease(self, request_id: str) -> bool:
+        """Free a lease's blocks; False if there was no such lease (released or expired)."""
+        lease = self.leases.pop(request_id, None)
+        if lease is None:
+            return False
+        self.pool.release(list(reversed(lease[0])))
+        return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Free every lease whose deadline passed; returns their request ids."""
+        expired = [rid for rid, (_, deadline) in self.leases.items() if deadline <= now]
+        for rid in expired:
+            self.release_lease(rid)
+        return expired
+
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def has_blocks(self, request_id: str) -> bool:
+        return request_id in self.block_tables
+
     @property
     def num_requests(self) -> int:
-        return len(self.block_tables)
+        """Requests holding blocks, leased ones included."""
+        return len(self.block_tables) + len(self.leases)

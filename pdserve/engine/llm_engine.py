@@ -19,6 +19,7 @@ from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv_transfer.connector import KVConnector
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import load_state_dict, load_tokenizer
 from pdserve.outputs import RequestOutput
@@ -37,8 +38,10 @@ def load_model(config: EngineConfig) -> LlamaForCausalLM:
 class LLMEngine:
     """Receives requests and generates text with continuous batching over a paged KV cache."""
 
-    def __init__(self, config: EngineConfig, record_kv_events: bool = False):
+    def __init__(self, config: EngineConfig, record_kv_events: bool = False,
+                 connector: KVConnector | None = None):
         self.config = config
+        self.connector = connector or KVConnector()
         self.tokenizer = load_tokenizer(config.model.resolved)
         self.model = load_model(config)
         self.num_blocks = num_kv_blocks(config)
@@ -47,8 +50,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size,
                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len,
-                                   config.model.arch.eos_token_ids)
-        self.runner = ModelRunner(config, self.model, allocate_kv_cache(config, self.num_blocks))
+                                   config.model.arch.eos_token_ids, self.connector)
+        self.runner = ModelRunner(config, self.model, allocate_kv_cache(
+            config, self.num_blocks, self.connector))
         self.input_processor = InputProcessor(config.model, self.tokenizer,
                                               self.scheduler.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -93,6 +97,10 @@ class LLMEngine:
         self.scheduler.finish_requests([r.request_id for r in stopped],
                                        RequestStatus.FINISHED_STOPPED)
         return self.output_processor.make_outputs(touched)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished prefill kept for a remote decode (see kv_lease_s)."""
+        return self.scheduler.release_kv(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -12,15 +12,18 @@ from pdserve.config import EngineConfig
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
+from pdserve.kv_transfer.connector import KVConnector
 from pdserve.models.llama import LlamaForCausalLM
 
 
-def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor:
-    """Zeroed cache of shape (layers, 2, num_blocks, block_size, kv_heads, head_dim)."""
+def allocate_kv_cache(config: EngineConfig, num_blocks: int,
+                      connector: KVConnector) -> torch.Tensor:
+    """Zeroed cache of shape (layers, 2, num_blocks, block_size, kv_heads, head_dim), in
+    memory the KV connector can serve from."""
     arch = config.model.arch
     shape = (arch.num_hidden_layers, 2, num_blocks, config.cache.block_size,
              arch.num_key_value_heads, arch.head_dim)
-    return torch.zeros(shape, dtype=config.model.dtype, device=config.device.device)
+    return connector.allocate_kv_cache(shape, config.model.dtype, config.device.device)
 
 
 class ModelRunner:

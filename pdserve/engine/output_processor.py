@@ -58,6 +58,10 @@ class OutputProcessor:
                 i, child, IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, p),
                 [] if p.logprobs is not None else None,
                 0.0 if p.logprobs is not None else None)
+            if child.output_token_ids:  # sampled by a remote prefill: text and no logprobs
+                state.detokenizer.update(list(child.output_token_ids), 0)
+                if state.logprobs is not None:
+                    state.logprobs.extend([None] * child.num_output_tokens)
             parent.sequences.append(state)
             self.child_to_parent[child.request_id] = (parent, state)
         self.parents[request_id] = parent
@@ -141,4 +145,6 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
             outputs=completions, finished=finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0))
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            kv_transfer_params=first.kv_transfer_params if finished else None,
+            error=first.error)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from pdserve.kv_transfer.connector import KVHandle
     from pdserve.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
     FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
 
     @property
     def is_finished(self) -> bool:
@@ -42,6 +44,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -57,8 +60,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Pre-tokenized `sampling_params.bad_words` (each word with and without a leading space).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
-    # What a KV connector needs to find this request's remote blocks (None: nothing remote).
+    # Disaggregation: {"do_remote_decode": True} on a prefill instance; on a decode instance
+    # `remote_kv` says where the prompt's KV blocks are.
     kv_transfer_params: dict[str, Any] | None = None
+    remote_kv: KVHandle | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -66,6 +71,8 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    error: str | None = None  # why a FINISHED_ERROR request failed
+    pending_remote_tokens: int = 0  # tokens a remote KV load in flight will provide
     # Chained hashes of this request's full blocks (prompt and output), see block_hash.py.
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None

@@ -306,3 +306,11 @@ def _logprob_dicts(
             d[top_ids[i][r]] = (top_vals[i][r], r + 1)
         out.append(d)
     return out
+
+
+def skip_seeded_draws(generator: torch.Generator, vocab_size: int, num_steps: int) -> None:
+    """Advance a seeded row's generator past `num_steps` random samples taken elsewhere (the
+    prefill instance sampled the first token), so the rest matches a colocated run."""
+    for _ in range(num_steps):
+        torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(
+            generator=generator)

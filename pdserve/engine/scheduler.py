@@ -8,14 +8,19 @@ be recomputed later). Only the scheduler changes a request's counters and status
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdserve.block_hash import extend_block_hashes
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampleResult
+from pdserve.kv_transfer.connector import KVConnector, LoadResult
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +42,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # ended before running (KV load)
 
     @property
     def num_tokens(self) -> int:
@@ -55,9 +61,12 @@ class Scheduler:
     """Continuous batching over a waiting queue and a running list."""
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
-                 stop_token_ids: Iterable[int] = ()):
+                 stop_token_ids: Iterable[int] = (), connector: KVConnector | None = None):
         self.config = config
         self.kv = kv_manager
+        self.connector = connector or KVConnector()
+        self.loading: dict[str, Request] = {}  # remote KV loads in flight
+        self.load_results: list[LoadResult] = []  # finished loads, for metrics
         self.block_size = kv_manager.block_size
         # NOTE: a sequence may never outgrow the whole cache, or it could never be scheduled.
         self.max_model_len = min(max_model_len, kv_manager.pool.num_blocks * self.block_size)
@@ -86,12 +95,17 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free(request)
+            if request.request_id not in self.loading:  # NOTE: a reader may still write them
+                self._free(request)
             finished.append(request)
         return finished
 
+    def release_kv(self, request_id: str) -> bool:
+        """A remote reader is done with a finished prefill's blocks: free them."""
+        return self.kv.release_lease(request_id)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     @property
     def num_waiting(self) -> int:
@@ -104,7 +118,9 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.expire_leases(time.monotonic())
         out = SchedulerOutput()
+        self._finish_loads(out)
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         for request in list(self.running):
@@ -133,18 +149,26 @@ class Scheduler:
         return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._next_waiting()
+        for request in self._waiting_in_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                break
-            computed, num_cached = self.kv.get_computed_blocks(request)
+                continue
+            if self.kv.has_blocks(request.request_id):  # remote KV arrived, or a local fallback
+                computed, num_cached = [], request.num_computed_tokens
+            else:
+                computed, num_cached = self.kv.get_computed_blocks(request)
+            if request.remote_kv is not None:
+                if not self._start_remote_load(request, computed, num_cached):
+                    return
+                continue
             n = request.num_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
-                    break
+                    return
                 n = budget
             if self.kv.allocate_slots(request, n, computed) is None:
-                break
+                return
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -154,14 +178,57 @@ class Scheduler:
             out.chunks.append(self._chunk(request, n))
             budget -= n
 
+    def _waiting_in_order(self) -> list[Request]:
+        if self.config.policy == "priority":
+            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return list(self.waiting)
+
+    # --- remote KV (decode side of disaggregation) ------------------------------------------
+
+    def _start_remote_load(self, request: Request, computed: list[int], num_cached: int) -> bool:
+        """Allocate the prompt's blocks and pull those not cached here; False if no room."""
+        handle = request.remote_kv
+        num_remote = handle.num_tokens
+        if self.kv.allocate_slots(request, num_remote - num_cached, computed) is None:
+            return False
+        request.num_computed_tokens = num_cached
+        request.num_cached_tokens = num_cached
+        first, last = num_cached // self.block_size, cdiv(num_remote, self.block_size)
+        local = self.kv.get_block_table(request.request_id)[first:last]
+        request.remote_kv = None  # NOTE: one attempt; a failure falls back or fails below
+        if not local:
+            request.num_computed_tokens = num_remote
+            return True
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.request_id] = request
+        request.pending_remote_tokens = num_remote
+        self.connector.start_load(request.request_id, handle, list(handle.block_ids[first:last]),
+                                  local)
+        return True
+
+    def _finish_loads(self, out: SchedulerOutput) -> None:
+        for result in self.connector.take_finished_loads():
+            self.load_results.append(result)
+            request = self.loading.pop(result.request_id, None)
+            if request is None:
+                continue
+            if request.is_finished:  # aborted while loading: its blocks can go now
+                self._free(request)
+                continue
+            request.status = RequestStatus.WAITING
+            if result.ok:
+                request.num_computed_tokens = request.pending_remote_tokens
+                continue
+            logger.warning("KV load for %s failed: %s", request.request_id, result.error)
+            if self.config.kv_failure_policy == "fail":
+                request.error = f"KV transfer failed: {result.error}"
+                out.failed += self.finish_requests([request.request_id],
+                                                   RequestStatus.FINISHED_ERROR)
+            # "recompute": the prompt beyond the local prefix is computed here instead.
+
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         return ScheduledChunk(request, request.num_computed_tokens, n,
                               self.kv.get_block_table(request.request_id))
-
-    def _next_waiting(self) -> Request:
-        if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -184,7 +251,7 @@ class Scheduler:
 
         Returns the requests that got a new token or finished this step.
         """
-        touched = []
+        touched = list(sched.failed)
         for chunk in sched.chunks:
             request = chunk.request
             if request.is_finished:
@@ -220,5 +287,24 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
     def _free(self, request: Request) -> None:
-        self.kv.free(request)
+        params = request.kv_transfer_params or {}
+        if (params.get("do_remote_decode")
+                and request.status == RequestStatus.FINISHED_LENGTH_CAPPED):
+            self._lease(request)
+        else:
+            self.kv.free(request)
         del self.requests[request.request_id]
+
+    def _lease(self, request: Request) -> None:
+        """Pin a finished prefill's blocks for the decode side and describe them."""
+        lease_s = self.config.kv_lease_s
+        num_tokens = request.num_computed_tokens
+        blocks = self.kv.lease(request, time.monotonic() + lease_s)
+        handle = self.connector.make_handle(
+            request.request_id, blocks[:cdiv(num_tokens, self.block_size)],
+            request.block_hashes[:num_tokens // self.block_size], num_tokens,
+            time.time() + lease_s)
+        if handle is None:  # nothing can read them: don't hold them
+            self.kv.release_lease(request.request_id)
+            return
+        request.kv_transfer_params = {**request.kv_transfer_params, "handle": handle.to_dict()}

@@ -1,0 +1,118 @@
+"""Same-host KV transport over a named POSIX shared-memory segment.
+
+Producer: the engine's cache *is* a file under /dev/shm mapped MAP_SHARED, so serving costs
+nothing. Consumer: maps that file read-only by name (once, cached) and copies each coalesced run
+of blocks straight from the mapping into its own cache: one strided `copy_` per run, no
+intermediate buffer.
+
+Descriptor extra keys: {"segment": "/dev/shm/<name>", "inode": int, "pid": int,
+"pid_start": int, "pidns": int} — the owner fields let a consumer detect a dead producer.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from pdserve.kv_transfer.block_runs import BlockRun
+from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.shm_segment import (create_segment, map_segment_readonly, new_segment_name,
+                                             owner_alive, sweep_stale_segments, unlink_if_owner,
+                                             unlink_quietly)
+from pdserve.kv_transfer.transport import KVLayout, KVTransport
+
+
+class ShmTransport(KVTransport):
+    """KV transport for producer and consumer on the same host (same /dev/shm)."""
+
+    kind = "shm"
+
+    def __init__(self, engine_id: str, timeout_s: float = 10.0, shm_dir: str = "/dev/shm") -> None:
+        super().__init__(engine_id, timeout_s)
+        self.shm_dir = shm_dir
+        self.segment_path: str | None = None
+        self._owner: dict[str, int] = {}
+        self._inode = 0
+        self._finalizer: weakref.finalize | None = None
+        # segment path -> (inode, read-only view of the producer's cache)
+        self._peers: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def allocate_kv_cache(self, layout: KVLayout, device: str | torch.device = "cpu") -> torch.Tensor:
+        if torch.device(device).type != "cpu":
+            raise KVTransferError("shm transport serves CPU caches only; use nixl for device memory")
+        if self._kv_cache is not None:
+            raise KVTransferError(f"shm transport {self.engine_id!r} already has a KV cache")
+        sweep_stale_segments(self.shm_dir)
+        name, self._owner = new_segment_name(self.engine_id)
+        path = os.path.join(self.shm_dir, name)
+        try:
+            mm = create_segment(path, layout.total_bytes)
+        except OSError as e:
+            raise KVTransferError(f"cannot create shm segment {path}: {e}") from e
+        # Unlink on close, on garbage collection and at interpreter exit (in this process only).
+        self._finalizer = weakref.finalize(self, unlink_if_owner, path, os.getpid())
+        self.segment_path = path
+        self._inode = os.stat(path).st_ino
+        # (layers, 2, blocks, block_size, kv_heads, head_dim) backed by the shared mapping
+        self._kv_cache = torch.frombuffer(mm, dtype=layout.torch_dtype).view(layout.shape)
+        return self._kv_cache
+
+    def serve(self) -> dict[str, Any]:
+        if self.segment_path is None or self._closed:
+            raise KVTransferError("shm transport: allocate_kv_cache() before serve(), and not after close()")
+        return self._descriptor(segment=self.segment_path, inode=self._inode, **self._owner)
+
+    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun]) -> None:
+        src = self._peer_view(remote, remote_layout)  # (layers, 2, remote_blocks, ...)
+        dst = self.kv_cache  # (layers, 2, local_blocks, ...)
+        for r, loc, n in runs:
+            dst[:, :, loc:loc + n].copy_(src[:, :, r:r + n])
+
+    def _peer_view(self, remote: dict[str, Any], layout: KVLayout) -> torch.Tensor:
+        """The producer's cache, mapped read-only; checks the producer is still there."""
+        try:
+            path = str(remote["segment"])
+            inode = int(remote["inode"])
+            owner = (int(remote["pid"]), int(remote["pid_start"]), int(remote["pidns"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVTransferError(f"malformed shm descriptor: missing/invalid {e}") from e
+        try:
+            current_inode = os.stat(path).st_ino
+        except FileNotFoundError:
+            self._peers.pop(path, None)
+            raise KVTransferError(f"shm segment {path} is gone: producer "
+                                  f"{remote.get('engine_id')!r} closed or exited") from None
+        if current_inode != inode:
+            self._peers.pop(path, None)
+            raise KVTransferError(f"shm segment {path} was replaced; descriptor is stale")
+        if not owner_alive(*owner):
+            self._peers.pop(path, None)
+            unlink_quietly(path)  # the owner crashed before it could clean up
+            raise KVTransferError(f"producer process {owner[0]} of shm segment {path} is dead")
+        cached = self._peers.get(path)
+        if cached is not None and cached[0] == inode:
+            return cached[1]
+        try:
+            mm, got_inode = map_segment_readonly(path, layout.total_bytes)
+        except (OSError, ValueError) as e:
+            raise KVTransferError(f"cannot map shm segment {path}: {e}") from e
+        if got_inode != inode:
+            raise KVTransferError(f"shm segment {path} was replaced; descriptor is stale")
+        with warnings.catch_warnings():  # the mapping is read-only; we never write through it
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            view = torch.frombuffer(mm, dtype=layout.torch_dtype).view(layout.shape)
+        self._peers[path] = (inode, view)
+        return view
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._peers.clear()
+        if self._finalizer is not None:
+            self._finalizer()  # unlink our segment; the mapping lives while the tensor does
+        self._kv_cache = None

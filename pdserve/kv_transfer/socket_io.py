@@ -1,0 +1,50 @@
+"""Socket helpers for the TCP transport: exact reads and scatter/gather I/O over many buffers."""
+
+from __future__ import annotations
+
+import socket
+from typing import Sequence
+
+_IOV_BATCH = 16  # well under IOV_MAX (1024 on Linux)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Read exactly n bytes; ConnectionError on EOF."""
+    buf = bytearray(n)
+    recv_into_views(sock, [memoryview(buf)])
+    return bytes(buf)
+
+
+def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Send every byte of `views`, in order, with as few syscalls as possible (sendmsg)."""
+    pending = [v.cast("B") for v in views if v.nbytes]
+    i = 0
+    while i < len(pending):
+        sent = sock.sendmsg(pending[i:i + _IOV_BATCH])
+        i = _advance(pending, i, sent)
+
+
+def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every byte of `views`, in order (recvmsg_into); ConnectionError on EOF."""
+    pending = [v.cast("B") for v in views if v.nbytes]
+    i = 0
+    while i < len(pending):
+        if len(pending) - i == 1:  # common case: one big buffer
+            got = sock.recv_into(pending[i], pending[i].nbytes, socket.MSG_WAITALL)
+        else:
+            got = sock.recvmsg_into(pending[i:i + _IOV_BATCH])[0]
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-message")
+        i = _advance(pending, i, got)
+
+
+def _advance(views: list[memoryview], i: int, nbytes: int) -> int:
+    """Consume nbytes from views[i:]; return the index of the first unfinished view."""
+    while nbytes > 0:
+        if nbytes >= views[i].nbytes:
+            nbytes -= views[i].nbytes
+            i += 1
+        else:
+            views[i] = views[i][nbytes:]
+            nbytes = 0
+    return i

@@ -1,0 +1,251 @@
+"""KV transport over plain TCP (no extra dependency); works across hosts.
+
+Producer: a small threaded server (one thread per connection) on host:port (127.0.0.1:0 by
+default) answers "send blocks [ids]" with the raw bytes. Consumer: one cached connection per
+producer; it receives straight into its own cache's block ranges (recvmsg_into), so a CPU cache
+sees no intermediate copy.
+
+Wire format (big-endian). Request: "!4sBI" (b"PDKV", op, payload_len) + payload;
+  op HELLO=1: payload = producer engine_id (utf-8), checked once per connection;
+  op READ=2: payload = n uint32 block ids.
+Reply: "!BQ" (status 0=ok/1=error, payload_len) + payload (error: utf-8 message).
+READ payload order: for plane p in 0..layers*2-1 (p = layer*2 + k/v), for each id in request
+order, that block's chunk of that plane.
+
+Descriptor extra keys: {"host": str, "port": int}.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Any
+
+import torch
+
+from pdserve.kv_transfer.block_runs import BlockRun, check_block_ids, remote_runs
+from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.socket_io import recv_exact, recv_into_views, send_views
+from pdserve.kv_transfer.transport import KVLayout, KVTransport
+
+MAGIC = b"PDKV"
+OP_HELLO, OP_READ = 1, 2
+REQ = struct.Struct("!4sBI")
+REPLY = struct.Struct("!BQ")
+MAX_REQUEST_BYTES = 1 << 24
+
+
+def plane_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """(layers, 2, blocks, ...) CPU cache -> (planes, blocks, chunk_bytes) uint8 view, no copy."""
+    planes, blocks = cache.shape[0] * 2, cache.shape[2]
+    return cache.view(planes, blocks, -1).view(torch.uint8)
+
+
+class TcpTransport(KVTransport):
+    """KV transport over TCP sockets."""
+
+    kind = "tcp"
+
+    def __init__(self, engine_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        super().__init__(engine_id, timeout_s)
+        self.host, self.port = host, int(port)
+        self._server: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._peers: dict[tuple[str, int, str], socket.socket] = {}
+
+    def allocate_kv_cache(self, layout: KVLayout, device: str | torch.device = "cpu") -> torch.Tensor:
+        if self._kv_cache is not None:
+            raise KVTransferError(f"tcp transport {self.engine_id!r} already has a KV cache")
+        # (layers, 2, blocks, block_size, kv_heads, head_dim)
+        self._kv_cache = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
+        return self._kv_cache
+
+    # ------------------------------------------------------------------ producer
+    def serve(self) -> dict[str, Any]:
+        if self._closed:
+            raise KVTransferError("tcp transport is closed")
+        self.kv_cache  # noqa: B018 - raises if nothing to serve
+        if self._server is None:
+            srv = socket.create_server((self.host, self.port), backlog=64)
+            srv.settimeout(0.2)  # the accept loop polls the stop flag
+            self._server = srv
+            self.port = srv.getsockname()[1]
+            self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                                   name=f"kv-tcp-accept-{self.engine_id}")
+            self._accept_thread.start()
+        return self._descriptor(host=self.host, port=self.port)
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            with self._conns_lock:
+                if self._stop.is_set():
+                    conn.close()
+                    break
+                self._conns.add(conn)
+            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                             name=f"kv-tcp-conn-{self.engine_id}").start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while not self._stop.is_set():
+                conn.settimeout(None)  # idle until the next request; close() shuts us down
+                head = recv_exact(conn, REQ.size)
+                conn.settimeout(self.timeout_s)
+                magic, op, length = REQ.unpack(head)
+                if magic != MAGIC or length > MAX_REQUEST_BYTES:
+                    self._reply_error(conn, f"bad request frame (magic={magic!r}, length={length})")
+                    return
+                self._handle(conn, op, recv_exact(conn, length))
+        except (OSError, ConnectionError):
+            pass  # peer went away, timed out, or we are closing
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, conn: socket.socket, op: int, payload: bytes) -> None:
+        if op == OP_HELLO:
+            want = payload.decode(errors="replace")
+            if want != self.engine_id:
+                return self._reply_error(conn, f"this is engine {self.engine_id!r}, not {want!r}")
+            return conn.sendall(REPLY.pack(0, 0))
+        if op != OP_READ or len(payload) % 4:
+            return self._reply_error(conn, f"unknown op {op} or malformed payload")
+        ids = list(struct.unpack(f"!{len(payload) // 4}I", payload))
+        cache = self._kv_cache
+        if cache is None:
+            return self._reply_error(conn, "producer has no KV cache (closed)")
+        try:
+            check_block_ids(ids, cache.shape[2], "requested")
+        except KVTransferError as e:
+            return self._reply_error(conn, str(e))
+        if cache.device.type == "cpu":
+            src = plane_bytes(cache).numpy()  # (planes, blocks, chunk_bytes)
+            views = [memoryview(src[p, s:s + n].reshape(-1))
+                     for p in range(src.shape[0]) for s, n in remote_runs(ids)]
+        else:  # device cache: gather to host first
+            idx = torch.tensor(ids, device=cache.device)
+            staged = cache.index_select(2, idx).cpu().contiguous()
+            views = [memoryview(staged.view(-1).view(torch.uint8).numpy())]
+        total = sum(v.nbytes for v in views)
+        send_views(conn, [memoryview(REPLY.pack(0, total)), *views])
+
+    @staticmethod
+    def _reply_error(conn: socket.socket, message: str) -> None:
+        body = message.encode()
+        conn.sendall(REPLY.pack(1, len(body)) + body)
+
+    # ------------------------------------------------------------------ consumer
+    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun]) -> None:
+        try:
+            key = (str(remote["host"]), int(remote["port"]), str(remote["engine_id"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVTransferError(f"malformed tcp descriptor: missing/invalid {e}") from e
+        ids = [r + i for r, _, n in runs for i in range(n)]
+        request = REQ.pack(MAGIC, OP_READ, 4 * len(ids)) + struct.pack(f"!{len(ids)}I", *ids)
+        for attempt in (0, 1):
+            reused = key in self._peers
+            conn = self._connect(key)
+            try:
+                conn.sendall(request)
+                status, length = REPLY.unpack(recv_exact(conn, REPLY.size))
+            except (OSError, ConnectionError) as e:
+                self._drop(key)
+                if reused and attempt == 0:
+                    continue  # stale cached connection: retry once on a fresh one
+                raise self._error(key, e) from e
+            try:
+                if status != 0:  # refused (e.g. ids out of range); the connection stays usable
+                    message = recv_exact(conn, length).decode(errors="replace")
+                    raise KVTransferError(f"producer {key[2]!r} at {key[0]}:{key[1]} refused: {message}")
+                expected = len(ids) * remote_layout.block_bytes
+                if length != expected:
+                    self._drop(key)
+                    raise KVTransferError(f"producer sent {length} bytes, expected {expected}")
+                self._receive_payload(conn, runs)
+                return
+            except (OSError, ConnectionError) as e:
+                self._drop(key)
+                raise self._error(key, e) from e
+
+    @staticmethod
+    def _error(key: tuple[str, int, str], e: BaseException) -> KVTransferError:
+        return KVTransferError(f"tcp read from {key[2]!r} at {key[0]}:{key[1]} failed: "
+                               f"{type(e).__name__}: {e}")
+
+    def _receive_payload(self, conn: socket.socket, runs: list[BlockRun]) -> None:
+        cache = self.kv_cache
+        n_planes = cache.shape[0] * 2
+        if cache.device.type == "cpu":
+            dst = plane_bytes(cache).numpy()  # (planes, blocks, chunk_bytes)
+            recv_into_views(conn, [memoryview(dst[p, loc:loc + n].reshape(-1))
+                                   for p in range(n_planes) for _, loc, n in runs])
+            return
+        count = sum(n for _, _, n in runs)
+        staged = torch.empty((n_planes, count, *cache.shape[3:]), dtype=cache.dtype)
+        recv_into_views(conn, [memoryview(staged.view(-1).view(torch.uint8).numpy())])
+        staged = staged.view(cache.shape[0], 2, count, *cache.shape[3:]).to(cache.device)
+        done = 0
+        for _, loc, n in runs:
+            cache[:, :, loc:loc + n].copy_(staged[:, :, done:done + n])
+            done += n
+
+    def _connect(self, key: tuple[str, int, str]) -> socket.socket:
+        conn = self._peers.get(key)
+        if conn is not None:
+            return conn
+        host, port, engine_id = key
+        try:
+            conn = socket.create_connection((host, port), timeout=self.timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = engine_id.encode()
+            conn.sendall(REQ.pack(MAGIC, OP_HELLO, len(hello)) + hello)
+            status, length = REPLY.unpack(recv_exact(conn, REPLY.size))
+            if status != 0:
+                message = recv_exact(conn, length).decode(errors="replace")
+                conn.close()
+                raise KVTransferError(f"tcp handshake with {host}:{port} refused: {message}")
+        except (OSError, ConnectionError) as e:
+            raise KVTransferError(f"cannot reach producer {engine_id!r} at {host}:{port}: "
+                                  f"{type(e).__name__}: {e}") from e
+        self._peers[key] = conn
+        return conn
+
+    def _drop(self, key: tuple[str, int, str]) -> None:
+        conn = self._peers.pop(key, None)
+        if conn is not None:
+            conn.close()
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for key in list(self._peers):
+            self._drop(key)
+        if self._server is not None:
+            self._server.close()
+        with self._conns_lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout=2.0)
+        self._kv_cache = None

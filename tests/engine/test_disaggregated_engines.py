@@ -1,0 +1,128 @@
+"""Prefill engine -> KV handle -> decode engine, in one process over a real transport."""
+
+import time
+
+import pytest
+
+from pdserve import EngineArgs, LLMEngine, SamplingParams
+from pdserve.kv_transfer import make_transport
+from pdserve.kv_transfer.connector import TransportConnector
+
+PROMPT = "The history of the printing press begins in ancient China where " * 3
+
+
+def engine(model_dir, name, connector=None, **kw):
+    args = EngineArgs(model=str(model_dir), kv_cache_memory_bytes=4 << 20, **kw)
+    return LLMEngine.from_engine_args(args, connector=connector)
+
+
+def run(engine):
+    outs = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "engine did not finish"
+        for out in engine.step():
+            outs[out.request_id] = out
+    return outs
+
+
+@pytest.fixture
+def pd_pair(tiny_model_dir):
+    released = []
+    prefill = engine(tiny_model_dir, "p", TransportConnector(make_transport("shm", "p")),
+                     kv_lease_s=30)
+    decode = engine(tiny_model_dir, "d", TransportConnector(make_transport("shm", "d"),
+                                                            released.append))
+    yield prefill, decode, released
+    prefill.connector.close()
+    decode.connector.close()
+
+
+def prefill_then_decode(prefill, decode, rid, params):
+    p_params = params.clone()
+    p_params.max_tokens = 1
+    prefill.add_request(rid, PROMPT, p_params, kv_transfer_params={"do_remote_decode": True})
+    p_out = run(prefill)[rid]
+    handle = p_out.kv_transfer_params["handle"]
+    first = p_out.outputs[0].token_ids
+    decode.add_request(rid, {"prompt_token_ids": p_out.prompt_token_ids}, params,
+                       kv_transfer_params={"remote_handle": handle, "output_token_ids": first})
+    return p_out, run(decode)[rid], handle
+
+
+def test_disaggregated_equals_colocated_and_frees_everything(tiny_model_dir, pd_pair):
+    prefill, decode, released = pd_pair
+    colocated = engine(tiny_model_dir, "c")
+    for params in (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                   SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True)):
+        colocated.add_request("r", PROMPT, params)
+        expected = run(colocated)["r"].outputs[0]
+        rid = f"r{params.seed}"
+        p_out, d_out, handle = prefill_then_decode(prefill, decode, rid, params)
+        assert d_out.outputs[0].token_ids == expected.token_ids
+        assert d_out.outputs[0].text == expected.text
+        assert prefill.kv_manager.leases  # pinned until the reader says it is done
+        assert released[-1].request_id == rid
+        assert prefill.release_kv(rid)
+    result = decode.scheduler.load_results[0]
+    assert result.ok and result.num_bytes > 0
+    for e in (prefill, decode):
+        assert e.num_free_blocks == e.num_blocks and e.kv_manager.num_requests == 0
+
+
+def test_decode_pulls_only_uncached_blocks(pd_pair):
+    prefill, decode, _ = pd_pair
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    # Warm the decode side with the first part of the prompt.
+    decode.add_request("warm", PROMPT[: len(PROMPT) // 2], params)
+    run(decode)
+    _, d_out, handle = prefill_then_decode(prefill, decode, "x", params)
+    cached_blocks = d_out.num_cached_tokens // 16
+    assert cached_blocks > 0
+    total_blocks = -(-handle["num_tokens"] // 16)
+    block_bytes = prefill.runner.kv_cache[:, :, 0].numel() * 4
+    assert decode.scheduler.load_results[-1].num_bytes == (total_blocks - cached_blocks) * \
+        block_bytes
+
+
+def test_lease_expiry_frees_prefill_blocks(tiny_model_dir):
+    connector = TransportConnector(make_transport("shm", "lease"))
+    prefill = engine(tiny_model_dir, "p", connector, kv_lease_s=0.2)
+    try:
+        prefill.add_request("a", PROMPT, SamplingParams(max_tokens=1),
+                            kv_transfer_params={"do_remote_decode": True})
+        run(prefill)
+        assert prefill.num_free_blocks < prefill.num_blocks
+        time.sleep(0.3)
+        prefill.step()  # any step expires leases
+        assert prefill.num_free_blocks == prefill.num_blocks
+        assert not prefill.release_kv("a")
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_pull_recomputes_or_fails_clearly(tiny_model_dir, pd_pair, policy):
+    prefill, _, _ = pd_pair
+    decode = engine(tiny_model_dir, "d2", TransportConnector(make_transport("shm", "d2")),
+                    kv_failure_policy=policy)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    p_params = params.clone()
+    p_params.max_tokens = 1
+    prefill.add_request("f", PROMPT, p_params, kv_transfer_params={"do_remote_decode": True})
+    p_out = run(prefill)["f"]
+    handle = dict(p_out.kv_transfer_params["handle"])
+    handle["descriptor"] = {**handle["descriptor"], "segment": "/dev/shm/pdserve-missing-segment"}
+    prefill.release_kv("f")
+    decode.add_request("f", {"prompt_token_ids": p_out.prompt_token_ids}, params,
+                       kv_transfer_params={"remote_handle": handle,
+                                           "output_token_ids": p_out.outputs[0].token_ids})
+    out = run(decode)["f"]
+    if policy == "recompute":
+        colocated = engine(tiny_model_dir, "c")
+        colocated.add_request("f", PROMPT, params)
+        assert out.outputs[0].token_ids == run(colocated)["f"].outputs[0].token_ids
+    else:
+        assert out.outputs[0].finish_reason == "error" and "KV transfer failed" in out.error
+    assert decode.num_free_blocks == decode.num_blocks
+    decode.connector.close()
