@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from pdserve.engine.engine_args import EngineArgs
@@ -22,6 +23,10 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Modules that register a subcommand with `add_cli(subparsers)`.
+_SUBCOMMANDS = ["pdserve.services.prefill_server", "pdserve.services.decode_server"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
+    for module in _SUBCOMMANDS:
+        importlib.import_module(module).add_cli(sub)
     return parser
 
 

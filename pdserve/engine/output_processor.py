@@ -22,6 +22,7 @@ class SequenceState:
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
     sent_tokens: int = 0
+    finish_sent: bool = False
 
 
 @dataclass
@@ -131,6 +132,9 @@ class OutputProcessor:
         for seq in parent.sequences:
             request = seq.request
             done = request.is_finished
+            if delta and seq.finish_sent:  # DELTA: a finished sequence is reported once
+                continue
+            seq.finish_sent = done
             start = seq.sent_tokens if delta else 0
             text = seq.detokenizer.get_next_output_text(done, delta)
             logprobs = seq.logprobs[start:] if seq.logprobs is not None else None

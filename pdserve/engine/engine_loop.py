@@ -1,0 +1,159 @@
+"""EngineLoop: runs one LLMEngine on its own thread so that servers can share it.
+
+Callers on other threads `submit` requests and read their outputs from an `OutputStream`;
+the loop steps the engine while there is work, and ticks while idle so that expired KV leases
+are still freed. Every engine call happens under one lock.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class StreamTimeout(TimeoutError):
+    """No output arrived within the caller's deadline."""
+
+
+class OutputStream:
+    """The outputs of one request, in order; the last one has `finished` set."""
+
+    def __init__(self, loop: EngineLoop, request_id: str):
+        self.loop = loop
+        self.request_id = request_id
+        self._queue: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put(item)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """Next output; raises StreamTimeout, or the engine's error if the loop died."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise StreamTimeout(f"request {self.request_id}: no output in {timeout:.1f}s")
+        if isinstance(item, BaseException):
+            raise item
+        self.finished = item.finished
+        return item
+
+    def __iter__(self):
+        while not self.finished:
+            yield self.get()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting_requests: int
+    running_requests: int
+    waiting_tokens: int
+    free_blocks: int
+    total_blocks: int
+    leased_requests: int
+    prefix_queries: int
+    prefix_hits: int
+
+
+class EngineLoop:
+    """Owns the thread that steps an engine; thread-safe submit / abort / release."""
+
+    def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.05):
+        self.engine = engine
+        self.idle_tick_s = idle_tick_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[str, OutputStream] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, request_id: str, prompt, params: SamplingParams,
+               kv_transfer_params: dict | None = None, priority: int = 0,
+               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> OutputStream:
+        """Queue a request; raises ValueError on bad input (nothing is queued then)."""
+        params = params.clone()
+        params.output_kind = output_kind
+        stream = OutputStream(self, request_id)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            self.engine.add_request(request_id, prompt, params, priority=priority,
+                                    kv_transfer_params=kv_transfer_params)
+            self._streams[request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it was not running here."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self.engine.abort_request(request_id)
+        return stream is not None
+
+    def release_kv(self, request_id: str) -> bool:
+        with self._lock:
+            return self.engine.release_kv(request_id)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            sched = self.engine.scheduler
+            pool = self.engine.block_pool
+            return EngineStats(
+                waiting_requests=sched.num_waiting, running_requests=sched.num_running,
+                waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+                free_blocks=pool.num_free_blocks, total_blocks=pool.num_blocks,
+                leased_requests=len(self.engine.kv_manager.leases),
+                prefix_queries=pool.num_queries, prefix_hits=pool.num_hits)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                with self._lock:
+                    busy = self.engine.has_unfinished_requests()
+                    outputs = self.engine.step()
+                    streams = [(self._streams.get(o.request_id), o) for o in outputs]
+                    for _, o in streams:
+                        if o.finished:
+                            self._streams.pop(o.request_id, None)
+            except Exception as e:  # noqa: BLE001 - a dead loop must not hang its callers
+                self._fail_all(e)
+                return
+            for stream, output in streams:
+                if stream is not None:
+                    stream.put(output)
+            if not busy:
+                self._wake.wait(self.idle_tick_s)
+                self._wake.clear()
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put(RuntimeError(f"engine failed: {error}"))
+        self._stopped.set()
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
+    """Poll `predicate` until true or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,74 @@
+"""Conversions between wire messages and engine objects, at the services' edges only."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.kv_transfer.connector import KVHandle
+from pdserve.outputs import Logprob
+from pdserve.proto.pdserve.v1 import common_pb2
+from pdserve.sampling_params import SamplingParams
+
+_OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "logprobs",
+             "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+             "detokenize")
+
+
+def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto -> SamplingParams; invalid values raise ValueError naming the field."""
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+        values = list(getattr(msg, name))
+        if values:
+            kwargs[name] = values
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    return SamplingParams(ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
+                          include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
+
+
+def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        stop=p.stop or [], stop_token_ids=p.stop_token_ids or [],
+        allowed_token_ids=p.allowed_token_ids or [], bad_words=p.bad_words or [],
+        logit_bias=p.logit_bias or {})
+    for name in _OPTIONAL:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def handle_to_proto(h: KVHandle) -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        request_id=h.request_id, engine_id=h.engine_id, connector=h.connector,
+        descriptor_json=json.dumps(h.descriptor), block_ids=list(h.block_ids),
+        block_hashes=list(h.block_hashes), num_tokens=h.num_tokens,
+        lease_expires_at=h.lease_expires_at, release_address=h.release_address)
+
+
+def handle_from_proto(msg: common_pb2.KVHandle) -> KVHandle:
+    try:
+        descriptor = json.loads(msg.descriptor_json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"handle.descriptor_json: not JSON ({e})") from e
+    if descriptor.get("kind") != msg.connector:
+        raise ValueError(f"handle.connector: {msg.connector!r} does not match the descriptor")
+    return KVHandle(msg.request_id, msg.engine_id, descriptor, tuple(msg.block_ids),
+                    tuple(msg.block_hashes), msg.num_tokens, msg.lease_expires_at,
+                    msg.release_address)
+
+
+def logprobs_to_proto(entry: dict[int, Logprob] | None,
+                      sampled: int) -> common_pb2.PositionLogprobs:
+    """One position's logprobs, the sampled token first."""
+    if not entry:
+        return common_pb2.PositionLogprobs()
+    order = [sampled] + [t for t in entry if t != sampled]
+    return common_pb2.PositionLogprobs(entries=[
+        common_pb2.TopLogprob(token_id=t, logprob=entry[t].logprob, rank=entry[t].rank or 0,
+                              decoded_token=entry[t].decoded_token or "")
+        for t in order if t in entry])

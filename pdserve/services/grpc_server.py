@@ -1,0 +1,69 @@
+"""Bootstrap shared by every pdserve gRPC server: health service, reflection, clean stop."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.proto.pdserve.v1 import common_pb2
+
+
+class GrpcServer:
+    """A threaded gRPC server with health and reflection, bound to host:port."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_workers: int = 32):
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=max_workers),
+                                  options=[("grpc.so_reuseport", 0)])
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self._services: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+
+    def add(self, register: Callable, servicer, service_names: Iterable[str]) -> None:
+        """Add a servicer (`register` is the generated add_XServicer_to_server)."""
+        register(servicer, self.server)
+        self._services.extend(service_names)
+
+    def start(self) -> None:
+        reflection.enable_server_reflection(self._services, self.server)
+        self.server.start()
+        for name in self._services:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait(grace + 1)
+
+    def serve_until_signal(self, on_stop: Callable[[], None] = lambda: None) -> None:
+        """Block until SIGTERM or SIGINT, then stop the server and run `on_stop`."""
+        done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
+        done.wait()
+        self.stop()
+        on_stop()
+
+
+def service_name(module, name: str) -> str:
+    """Full name of a proto service, e.g. 'pdserve.v1.Prefill'."""
+    return module.DESCRIPTOR.services_by_name[name].full_name
+
+
+def load_message(instance_id: str, role: str, address: str, stats, connector: str,
+                 block_size: int) -> common_pb2.Load:
+    return common_pb2.Load(
+        instance_id=instance_id, role=role, address=address,
+        waiting_requests=stats.waiting_requests, running_requests=stats.running_requests,
+        waiting_tokens=stats.waiting_tokens, free_blocks=stats.free_blocks,
+        total_blocks=stats.total_blocks, leased_requests=stats.leased_requests,
+        connector=connector, block_size=block_size)

@@ -1,0 +1,128 @@
+"""One engine instance behind gRPC: the engine on its loop thread, its KV connector, load
+reporting, abort, and heartbeats to a router. The prefill and decode servers build on it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import uuid
+
+import grpc
+
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer import make_transport
+from pdserve.kv_transfer.connector import KVConnector, KVHandle, TransportConnector
+from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
+from pdserve.services.grpc_server import GrpcServer, load_message
+
+logger = logging.getLogger(__name__)
+
+
+class Channels:
+    """gRPC channels cached by address."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = grpc.insecure_channel(address)
+            return self._channels[address]
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+class Instance:
+    """An engine serving one role ("prefill" or "decode") on a gRPC server."""
+
+    def __init__(self, role: str, engine_args: EngineArgs, connector_kind: str,
+                 host: str = "127.0.0.1", port: int = 0, instance_id: str | None = None,
+                 router: str | None = None):
+        self.role = role
+        self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.channels = Channels()
+        self.server = GrpcServer(host, port)
+        self.address = self.server.address
+        self.connector_kind = connector_kind
+        self.connector = self._make_connector(connector_kind)
+        self.engine = LLMEngine.from_engine_args(engine_args, connector=self.connector)
+        self.loop = EngineLoop(self.engine)
+        self.router = router
+        self._stop = threading.Event()
+
+    def _make_connector(self, kind: str) -> KVConnector:
+        if kind == "none":
+            return KVConnector()
+        transport = make_transport(kind, self.instance_id)
+        return TransportConnector(transport, on_loaded=self._release_remote)
+
+    def _release_remote(self, handle: KVHandle) -> None:
+        """Decode side: tell the prefill instance its blocks were read (best effort: its
+        lease expires anyway)."""
+        if not handle.release_address:
+            return
+        try:
+            stub = engine_pb2_grpc.PrefillStub(self.channels.get(handle.release_address))
+            stub.Release(engine_pb2.ReleaseRequest(request_id=handle.request_id), timeout=2)
+        except grpc.RpcError as e:
+            logger.warning("release of %s at %s failed: %s", handle.request_id,
+                           handle.release_address, e.code())
+
+    def load(self) -> common_pb2.Load:
+        return load_message(self.instance_id, self.role, self.address, self.loop.stats(),
+                            self.connector_kind, self.engine.config.cache.block_size)
+
+    def abort(self, request_id: str) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=self.loop.abort(request_id))
+
+    def start(self) -> None:
+        self.loop.start()
+        self.server.start()
+        if self.router:
+            threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+
+    def _heartbeat(self) -> None:
+        stub = router_pb2_grpc.RouterStub(self.channels.get(self.router))
+        interval = 1.0
+        while not self._stop.wait(interval):
+            try:
+                interval = stub.Heartbeat(self.load(), timeout=2).interval_s or 1.0
+            except grpc.RpcError:
+                interval = 1.0  # router not up yet or gone: keep trying
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop()
+        self.loop.stop()
+        self.connector.close()
+        self.channels.close()
+
+
+def add_instance_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--connector", default="shm", choices=["shm", "tcp", "nixl", "none"])
+    parser.add_argument("--router", default=None, help="router address to heartbeat to")
+    parser.add_argument("--instance-id", default=None)
+    EngineArgs.add_cli_args(parser)
+
+
+def run_instance(role: str, args: argparse.Namespace, register) -> int:
+    """Build, serve until SIGTERM/SIGINT, stop. `register(instance)` adds the servicer."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    instance = Instance(role, EngineArgs.from_cli_args(args), args.connector, args.host,
+                        args.port, args.instance_id, args.router)
+    register(instance)
+    instance.start()
+    print(f"{role} {instance.instance_id} listening on {instance.address}", flush=True)
+    instance.server.serve_until_signal(on_stop=instance.stop)
+    return 0
