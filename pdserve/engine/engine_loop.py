@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass
 
 from pdserve.engine.llm_engine import LLMEngine
@@ -59,6 +58,9 @@ class EngineStats:
     leased_requests: int
     prefix_queries: int
     prefix_hits: int
+    kv_bytes_received: int
+    kv_transfer_seconds: float
+    kv_loads_failed: int
 
 
 class EngineLoop:
@@ -114,12 +116,16 @@ class EngineLoop:
         with self._lock:
             sched = self.engine.scheduler
             pool = self.engine.block_pool
+            loads = sched.load_results
             return EngineStats(
                 waiting_requests=sched.num_waiting, running_requests=sched.num_running,
                 waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
                 free_blocks=pool.num_free_blocks, total_blocks=pool.num_blocks,
                 leased_requests=len(self.engine.kv_manager.leases),
-                prefix_queries=pool.num_queries, prefix_hits=pool.num_hits)
+                prefix_queries=pool.num_queries, prefix_hits=pool.num_hits,
+                kv_bytes_received=sum(r.num_bytes for r in loads),
+                kv_transfer_seconds=sum(r.seconds for r in loads),
+                kv_loads_failed=sum(not r.ok for r in loads))
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -148,12 +154,3 @@ class EngineLoop:
             stream.put(RuntimeError(f"engine failed: {error}"))
         self._stopped.set()
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
-    """Poll `predicate` until true or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()

@@ -66,4 +66,6 @@ def load_message(instance_id: str, role: str, address: str, stats, connector: st
         waiting_requests=stats.waiting_requests, running_requests=stats.running_requests,
         waiting_tokens=stats.waiting_tokens, free_blocks=stats.free_blocks,
         total_blocks=stats.total_blocks, leased_requests=stats.leased_requests,
-        connector=connector, block_size=block_size)
+        connector=connector, block_size=block_size, prefix_queries=stats.prefix_queries,
+        prefix_hits=stats.prefix_hits, kv_bytes_received=stats.kv_bytes_received,
+        kv_transfer_seconds=stats.kv_transfer_seconds, kv_loads_failed=stats.kv_loads_failed)

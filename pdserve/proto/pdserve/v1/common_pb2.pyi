@@ -154,7 +154,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., served_by: _Optional[_Union[ServedBy, _Mapping]] = ..., cumulative_logprob: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "waiting_requests", "running_requests", "waiting_tokens", "free_blocks", "total_blocks", "leased_requests", "connector", "block_size")
+    __slots__ = ("instance_id", "role", "address", "waiting_requests", "running_requests", "waiting_tokens", "free_blocks", "total_blocks", "leased_requests", "connector", "block_size", "prefix_queries", "prefix_hits", "kv_bytes_received", "kv_transfer_seconds", "kv_loads_failed")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,11 @@ class Load(_message.Message):
     LEASED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADS_FAILED_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     address: str
@@ -177,7 +182,12 @@ class Load(_message.Message):
     leased_requests: int
     connector: str
     block_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_requests: _Optional[int] = ..., connector: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    prefix_queries: int
+    prefix_hits: int
+    kv_bytes_received: int
+    kv_transfer_seconds: float
+    kv_loads_failed: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_requests: _Optional[int] = ..., connector: _Optional[str] = ..., block_size: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_loads_failed: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

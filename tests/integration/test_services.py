@@ -1,0 +1,159 @@
+"""Prefill and decode services in separate processes, over each KV connector."""
+
+import grpc
+import pytest
+from cluster_procs import ServerProcess, wait_for
+
+from pdserve import LLM, SamplingParams
+from pdserve.kv_transfer import nixl_available
+from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+CONNECTORS = ["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl is not installed"))]
+PROMPT_IDS = list(range(1000, 1090))  # 90 tokens: 5 full blocks and a partial one
+GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def servers(model_dir, connector):
+    common = ["--model", str(model_dir), "--connector", connector,
+              "--kv-cache-memory-bytes", str(8 << 20)]
+    prefill = ServerProcess("prefill", *common, "--kv-lease-s", "5")
+    try:
+        decode = ServerProcess("decode", *common)
+    except Exception:
+        prefill.stop()
+        raise
+    return prefill, decode
+
+
+@pytest.fixture(scope="module", params=CONNECTORS)
+def pd(request, tiny_model_dir):
+    prefill, decode = servers(tiny_model_dir, request.param)
+    p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
+    d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
+    yield p, d, prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_cache_memory_bytes=8 << 20)
+    return lambda ids, n: llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def prefill_decode(p, d, rid, ids, sampling=GREEDY):
+    first = p.Prefill(engine_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
+                                                sampling=sampling), timeout=30)
+    tokens = []
+    for msg in d.Decode(engine_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=sampling, handle=first.handle,
+            output_token_ids=[first.first_token_id]), timeout=30):
+        tokens += msg.token_ids
+    return first, tokens
+
+
+def load(stub):
+    return stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
+
+
+def all_free(stub):
+    lo = load(stub)
+    return lo.free_blocks == lo.total_blocks and lo.leased_requests == 0
+
+
+def test_disaggregated_equals_colocated_and_releases(pd, colocated):
+    p, d, _, _ = pd
+    first, tokens = prefill_decode(p, d, "eq", PROMPT_IDS)
+    assert first.handle.connector == load(p).connector
+    assert tokens == colocated(PROMPT_IDS, 8)
+    assert tokens[0] == first.first_token_id
+    assert wait_for(lambda: all_free(p)) and wait_for(lambda: all_free(d))
+
+
+def test_decode_pulls_only_blocks_it_lacks(pd):
+    p, d, _, _ = pd
+    ids = list(range(2000, 2090))
+    before = load(d).kv_bytes_received
+    _, _ = prefill_decode(p, d, "full", ids)
+    full = load(d).kv_bytes_received - before
+    assert full > 0
+    # Same 5-block prefix, new tail: the decode side has the first 5 blocks cached now.
+    tail = ids[:80] + list(range(3000, 3020))
+    before = load(d).kv_bytes_received
+    _, _ = prefill_decode(p, d, "tail", tail)
+    partial = load(d).kv_bytes_received - before
+    block_bytes = full // 6
+    assert partial == 2 * block_bytes  # blocks 5 (full) and 6 (partial) of 100 tokens
+    assert wait_for(lambda: all_free(p))
+
+
+def test_unreleased_lease_expires(pd):
+    p, _, _, _ = pd
+    p.Prefill(engine_pb2.PrefillRequest(request_id="orphan", prompt_token_ids=PROMPT_IDS,
+                                        sampling=GREEDY), timeout=30)
+    assert load(p).leased_requests == 1
+    assert wait_for(lambda: all_free(p), timeout=15)
+
+
+def test_cancel_mid_stream_frees_decode_blocks(pd):
+    p, d, _, _ = pd
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    call = d.Decode(engine_pb2.DecodeRequest(request_id="cancel", prompt_token_ids=PROMPT_IDS,
+                                             sampling=sampling), timeout=60)
+    next(call)
+    next(call)
+    call.cancel()
+    assert wait_for(lambda: all_free(d))
+
+
+@pytest.mark.parametrize("sampling, field", [
+    (common_pb2.SamplingParams(temperature=-1), "temperature"),
+    (common_pb2.SamplingParams(top_p=2.0), "top_p"),
+    (common_pb2.SamplingParams(max_tokens=0), "max_tokens"),
+    (common_pb2.SamplingParams(n=2), "n"),
+])
+def test_invalid_prefill_arguments(pd, sampling, field):
+    p, _, _, _ = pd
+    with pytest.raises(grpc.RpcError) as e:
+        p.Prefill(engine_pb2.PrefillRequest(prompt_token_ids=PROMPT_IDS, sampling=sampling),
+                  timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+
+
+def test_invalid_decode_arguments(pd):
+    _, d, _, _ = pd
+    bad = [
+        (engine_pb2.DecodeRequest(sampling=GREEDY), "prompt_token_ids"),
+        (engine_pb2.DecodeRequest(prompt_token_ids=[10**7], sampling=GREEDY), "prompt_token_ids"),
+        (engine_pb2.DecodeRequest(prompt_token_ids=[1, 2], sampling=GREEDY,
+                                  handle=common_pb2.KVHandle(connector="shm",
+                                                             descriptor_json="{")), "handle"),
+    ]
+    for request, field in bad:
+        with pytest.raises(grpc.RpcError) as e:
+            list(d.Decode(request, timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+        assert field in e.value.details()
+
+
+def test_dead_prefill_instance_decode_recomputes(tiny_model_dir, colocated):
+    prefill, decode = servers(tiny_model_dir, "tcp")
+    try:
+        p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
+        d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
+        first = p.Prefill(engine_pb2.PrefillRequest(request_id="dead", prompt_token_ids=PROMPT_IDS,
+                                                    sampling=GREEDY), timeout=30)
+        prefill.kill()
+        tokens = []
+        for msg in d.Decode(engine_pb2.DecodeRequest(
+                request_id="dead", prompt_token_ids=PROMPT_IDS, sampling=GREEDY,
+                handle=first.handle, output_token_ids=[first.first_token_id]), timeout=60):
+            tokens += msg.token_ids
+        assert tokens == colocated(PROMPT_IDS, 8)
+        lo = load(d)
+        assert lo.kv_loads_failed == 1 and lo.free_blocks == lo.total_blocks
+    finally:
+        prefill.stop()
+        decode.stop()
