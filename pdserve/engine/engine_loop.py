@@ -112,6 +112,17 @@ class EngineLoop:
         with self._lock:
             return self.engine.release_kv(request_id)
 
+    def take_kv_events(self) -> list:
+        """Prefix-cache events recorded since the last call (block_pool.KVEvent)."""
+        with self._lock:
+            return self.engine.block_pool.take_events()
+
+    def kv_snapshot(self) -> list[int]:
+        """Every block hash the prefix cache holds now (taking the pending events with it)."""
+        with self._lock:
+            self.engine.block_pool.take_events()
+            return list(self.engine.block_pool.cached)
+
     def stats(self) -> EngineStats:
         with self._lock:
             sched = self.engine.scheduler

@@ -16,7 +16,9 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import make_transport
 from pdserve.kv_transfer.connector import KVConnector, KVHandle, TransportConnector
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
+from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
 from pdserve.services.grpc_server import GrpcServer, load_message
+from pdserve.services.kv_event_publisher import KVEventPublisher, RouterSink
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class Instance:
 
     def __init__(self, role: str, engine_args: EngineArgs, connector_kind: str,
                  host: str = "127.0.0.1", port: int = 0, instance_id: str | None = None,
-                 router: str | None = None):
+                 router: str | None = None, redis_url: str | None = None):
         self.role = role
         self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.channels = Channels()
@@ -54,8 +56,15 @@ class Instance:
         self.address = self.server.address
         self.connector_kind = connector_kind
         self.connector = self._make_connector(connector_kind)
-        self.engine = LLMEngine.from_engine_args(engine_args, connector=self.connector)
+        # KV events go to Redis when given (shared by every router), else to the router.
+        self.index = (create_prefix_index(PrefixIndexConfig("redis", redis_url))
+                      if redis_url else None)
+        sink = self.index or (RouterSink(self.channels.get(router)) if router else None)
+        self.engine = LLMEngine.from_engine_args(engine_args, connector=self.connector,
+                                                 record_kv_events=sink is not None)
         self.loop = EngineLoop(self.engine)
+        self.publisher = (KVEventPublisher(self.loop, sink, self.instance_id)
+                          if sink is not None else None)
         self.router = router
         self._stop = threading.Event()
 
@@ -87,24 +96,43 @@ class Instance:
     def start(self) -> None:
         self.loop.start()
         self.server.start()
-        if self.router:
+        if self.router or self.index:
             threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        if self.publisher:
+            self.publisher.start()
 
     def _heartbeat(self) -> None:
-        stub = router_pb2_grpc.RouterStub(self.channels.get(self.router))
-        interval = 1.0
+        stub = router_pb2_grpc.RouterStub(self.channels.get(self.router)) if self.router else None
+        interval = 0.0
         while not self._stop.wait(interval):
-            try:
-                interval = stub.Heartbeat(self.load(), timeout=2).interval_s or 1.0
-            except grpc.RpcError:
-                interval = 1.0  # router not up yet or gone: keep trying
+            interval = 1.0
+            load = self.load()
+            if self.index:
+                self.index.heartbeat(self.instance_id, heartbeat_info(load))
+            if stub:
+                try:
+                    interval = stub.Heartbeat(load, timeout=2).interval_s or 1.0
+                except grpc.RpcError:
+                    pass  # router not up yet or gone: keep trying
 
     def stop(self) -> None:
         self._stop.set()
+        if self.publisher:
+            self.publisher.stop()
         self.server.stop()
         self.loop.stop()
         self.connector.close()
         self.channels.close()
+        if self.index:
+            self.index.close()
+
+
+def heartbeat_info(load: common_pb2.Load) -> dict:
+    """A Load as the prefix index's instance registry keeps it (scorers' InstanceView keys)."""
+    return {"role": load.role, "address": load.address,
+            "queued_requests": load.waiting_requests, "queued_tokens": load.waiting_tokens,
+            "running_requests": load.running_requests, "free_blocks": load.free_blocks,
+            "total_blocks": load.total_blocks, "block_size": load.block_size}
 
 
 def add_instance_args(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +141,8 @@ def add_instance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connector", default="shm", choices=["shm", "tcp", "nixl", "none"])
     parser.add_argument("--router", default=None, help="router address to heartbeat to")
     parser.add_argument("--instance-id", default=None)
+    parser.add_argument("--redis-url", default=None,
+                        help="publish KV events and heartbeats to this Redis prefix index")
     EngineArgs.add_cli_args(parser)
 
 
@@ -120,7 +150,7 @@ def run_instance(role: str, args: argparse.Namespace, register) -> int:
     """Build, serve until SIGTERM/SIGINT, stop. `register(instance)` adds the servicer."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     instance = Instance(role, EngineArgs.from_cli_args(args), args.connector, args.host,
-                        args.port, args.instance_id, args.router)
+                        args.port, args.instance_id, args.router, args.redis_url)
     register(instance)
     instance.start()
     print(f"{role} {instance.instance_id} listening on {instance.address}", flush=True)

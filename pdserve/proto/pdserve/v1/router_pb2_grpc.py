@@ -50,6 +50,16 @@ class RouterStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.ListInstancesRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.ListInstancesResponse.FromString,
                 _registered_method=True)
+        self.PublishKVEvents = channel.unary_unary(
+                '/pdserve.v1.Router/PublishKVEvents',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.KVEventBatch.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.PublishKVEventsResponse.FromString,
+                _registered_method=True)
+        self.ResyncKVState = channel.unary_unary(
+                '/pdserve.v1.Router/ResyncKVState',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.KVStateSnapshot.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.PublishKVEventsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -75,6 +85,20 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishKVEvents(self, request, context):
+        """An engine reports what its prefix cache gained and lost (the in-memory prefix index).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResyncKVState(self, request, context):
+        """An engine replaces everything the index knows about it (after a gap or a restart).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +116,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListInstances,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.ListInstancesRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.ListInstancesResponse.SerializeToString,
+            ),
+            'PublishKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.KVEventBatch.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.PublishKVEventsResponse.SerializeToString,
+            ),
+            'ResyncKVState': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResyncKVState,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.KVStateSnapshot.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.PublishKVEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +209,60 @@ class Router:
             '/pdserve.v1.Router/ListInstances',
             pdserve_dot_v1_dot_router__pb2.ListInstancesRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.ListInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/PublishKVEvents',
+            pdserve_dot_v1_dot_router__pb2.KVEventBatch.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.PublishKVEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResyncKVState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/ResyncKVState',
+            pdserve_dot_v1_dot_router__pb2.KVStateSnapshot.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.PublishKVEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,92 @@
+"""Publishes an engine's prefix-cache events to the prefix index, batched and numbered.
+
+Every `interval_s` the events the block pool recorded are sent as one `KVEventBatch`; when the
+index answers that it cannot apply a batch (a gap, a restart on either side, Redis flushed),
+the publisher sends a full snapshot of the cached hashes instead. Sinks: the router's
+in-memory index over gRPC, or Redis directly (several routers then share it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+import grpc
+
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
+from pdserve.router.kv_events import KVEventBatch, KVEventSequencer
+from pdserve.router.kv_events_wire import batch_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    def apply(self, batch: KVEventBatch) -> bool: ...
+
+    def resync(self, instance_id: str, block_hashes: list[int], seq: int,
+               medium: str = "gpu") -> bool: ...
+
+
+class RouterSink:
+    """The router's in-memory prefix index, over gRPC."""
+
+    def __init__(self, channel: grpc.Channel, timeout_s: float = 2.0):
+        self.stub = router_pb2_grpc.RouterStub(channel)
+        self.timeout_s = timeout_s
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        try:
+            return self.stub.PublishKVEvents(batch_to_proto(batch), timeout=self.timeout_s).applied
+        except grpc.RpcError:
+            return False
+
+    def resync(self, instance_id, block_hashes, seq, medium="gpu") -> bool:
+        snapshot = router_pb2.KVStateSnapshot(instance_id=instance_id, seq=seq, medium=medium,
+                                              block_hashes=block_hashes)
+        try:
+            return self.stub.ResyncKVState(snapshot, timeout=self.timeout_s).applied
+        except grpc.RpcError:
+            return False
+
+
+class KVEventPublisher:
+    """A thread moving the engine's KV events into a sink."""
+
+    def __init__(self, loop: EngineLoop, sink: EventSink, instance_id: str,
+                 interval_s: float = 0.1, medium: str = "gpu"):
+        self.loop = loop
+        self.sink = sink
+        self.sequencer = KVEventSequencer(instance_id, medium)
+        self.interval_s = interval_s
+        self.in_sync = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events")
+
+    def start(self) -> KVEventPublisher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def publish_once(self) -> None:
+        events = self.loop.take_kv_events()
+        if not events and self.in_sync:
+            return
+        batch = self.sequencer.batch(events)
+        self.in_sync = self.sink.apply(batch)
+        if not self.in_sync:
+            snapshot = self.loop.kv_snapshot()
+            self.in_sync = self.sink.resync(batch.instance_id, snapshot, batch.seq,
+                                            self.sequencer.medium)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.publish_once()
+            except Exception:  # noqa: BLE001 - keep publishing; the index resyncs later
+                logger.exception("publishing KV events failed")
+                self.in_sync = False

@@ -1,0 +1,57 @@
+"""Engine prefix-cache events reach a prefix index through the publisher, with resync."""
+
+import pytest
+
+from pdserve import EngineArgs, LLMEngine, SamplingParams
+from pdserve.block_hash import hash_blocks
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.router.memory_index import MemoryPrefixIndex
+from pdserve.services.kv_event_publisher import KVEventPublisher
+
+
+@pytest.fixture
+def loop(tiny_model_dir):
+    # 12 blocks: small enough that a few prompts evict earlier ones.
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny_model_dir), kv_cache_memory_bytes=12 * 16 * 2 * 2 * 2 * 16 * 4),
+        record_kv_events=True)
+    loop = EngineLoop(engine).start()
+    yield loop
+    loop.stop()
+
+
+def generate(loop, rid, ids):
+    stream = loop.submit(rid, {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+    for _ in stream:
+        pass
+
+
+def test_published_blocks_match_prompt_hashes_and_evictions_remove_them(loop):
+    index = MemoryPrefixIndex(ttl_s=60)
+    index.heartbeat("e1", {"role": "prefill"})
+    publisher = KVEventPublisher(loop, index, "e1")
+    ids = list(range(500, 550))  # 3 full blocks
+    generate(loop, "a", ids)
+    publisher.publish_once()
+    assert index.match(hash_blocks(ids, 16)) == {"e1": 3}
+    # Fill the 12-block cache with other prompts: the first one's blocks are evicted.
+    for i in range(4):
+        generate(loop, f"b{i}", list(range(1000 + 100 * i, 1000 + 100 * i + 50)))
+    publisher.publish_once()
+    assert index.match(hash_blocks(ids, 16)) == {"e1": 0}
+    assert index.num_blocks("e1") == len(loop.kv_snapshot())
+
+
+def test_lost_batch_triggers_resync(loop):
+    index = MemoryPrefixIndex(ttl_s=60)
+    index.heartbeat("e1", {"role": "prefill"})
+    publisher = KVEventPublisher(loop, index, "e1")
+    publisher.publish_once()  # seq 0
+    ids = list(range(700, 740))
+    generate(loop, "a", ids)
+    publisher.sequencer.batch(loop.take_kv_events())  # a batch lost on the way
+    generate(loop, "b", list(range(800, 840)))
+    publisher.publish_once()  # gap: applied as a snapshot instead
+    assert publisher.in_sync
+    assert index.match(hash_blocks(ids, 16)) == {"e1": 2}
+    assert index.match(hash_blocks(list(range(800, 840)), 16)) == {"e1": 2}
