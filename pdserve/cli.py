@@ -24,7 +24,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 # Modules that register a subcommand with `add_cli(subparsers)`.
-_SUBCOMMANDS = ["pdserve.services.prefill_server", "pdserve.services.decode_server"]
+_SUBCOMMANDS = ["pdserve.services.prefill_server", "pdserve.services.decode_server",
+                "pdserve.router.server", "pdserve.cluster"]
 
 
 def build_parser() -> argparse.ArgumentParser:

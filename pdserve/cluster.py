@@ -1,0 +1,311 @@
+"""`pdserve up`: a router, N prefill and M decode instances as separate processes on this host.
+
+    pdserve up --num-prefill 1 --num-decode 1 --connector shm
+
+Each server is its own OS process in its own process group (so a terminal's Ctrl-C reaches
+only `pdserve up`, which then stops them in order) with the parent-death signal set, so that
+nothing outlives `pdserve up` even when it is killed. Output goes to one log file per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.models.loader import DEFAULT_MODEL
+from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ClusterError(RuntimeError):
+    """A server did not come up (it exited, or was not healthy in time)."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. Ports: the router's as given (0: a free one); instances get free ones."""
+
+    model: str = DEFAULT_MODEL
+    num_prefill: int = 1
+    num_decode: int = 1
+    connector: str = "shm"
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    disagg_threshold: int = 64
+    kv_cache_memory_bytes: int | None = None
+    redis_url: str | None = None
+    startup_timeout_s: float = 180.0
+    log_dir: str | None = None  # default: a fresh temporary directory
+    instance_args: tuple[str, ...] = ()  # extra flags for every instance (e.g. --kv-lease-s 5)
+    router_args: tuple[str, ...] = ()  # extra flags for the router
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError(f"num_prefill must be >= 0 and num_decode >= 1, got "
+                             f"{self.num_prefill} and {self.num_decode}")
+        if self.connector not in ("shm", "tcp", "nixl"):
+            raise ValueError(f"connector: expected shm, tcp or nixl, got {self.connector!r}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError("startup_timeout_s must be positive")
+
+
+@dataclass
+class Child:
+    """One server process."""
+
+    name: str  # "router", "prefill-0", "decode-1", ...
+    role: str
+    address: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _dial_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0") else host
+
+
+def _die_with_parent() -> Callable[[], None]:
+    """preexec_fn: the child gets SIGTERM when the process that started it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: nothing to load after it
+    return lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Cluster:
+    """Starts, checks and stops the processes of a spec; a context manager."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.interrupted = threading.Event()  # set it to give up waiting for startup
+        host = spec.host
+        self.router_address = (f"{_dial_host(host)}:"
+                               f"{spec.grpc_port or free_port(_dial_host(host))}")
+
+    @property
+    def instances(self) -> list[Child]:
+        return [c for c in self.children if c.role != "router"]
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> Cluster:
+        """Start every process and wait until all are healthy and registered with the router;
+        on failure stop everything and raise ClusterError."""
+        try:
+            self._spawn_all()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn_all(self) -> None:
+        s = self.spec
+        dial = _dial_host(s.host)
+        planned = [(f"prefill-{i}", "prefill") for i in range(s.num_prefill)]
+        planned += [(f"decode-{i}", "decode") for i in range(s.num_decode)]
+        addresses = {name: f"{dial}:{free_port(dial)}" for name, _ in planned}
+        router_cmd = ["router", "--model", s.model, "--host", s.host,
+                      "--grpc-port", self.router_address.rsplit(":", 1)[1],
+                      "--disagg-threshold", str(s.disagg_threshold), *s.router_args]
+        for name, role in planned:
+            router_cmd += [f"--{role}", addresses[name]]
+        if s.redis_url:
+            router_cmd += ["--redis-url", s.redis_url]
+        self._spawn("router", "router", self.router_address, router_cmd)
+        for name, role in planned:
+            cmd = [role, "--model", s.model, "--host", s.host,
+                   "--port", addresses[name].rsplit(":", 1)[1], "--connector", s.connector,
+                   "--router", self.router_address, "--instance-id", name, *s.instance_args]
+            if s.kv_cache_memory_bytes:
+                cmd += ["--kv-cache-memory-bytes", str(s.kv_cache_memory_bytes)]
+            if s.redis_url:
+                cmd += ["--redis-url", s.redis_url]
+            self._spawn(name, role, addresses[name], cmd)
+
+    def _spawn(self, name: str, role: str, address: str, args: list[str]) -> None:
+        log_path = self.log_dir / f"{name}.log"
+        # NOTE: preexec_fn runs between fork and exec; it only calls a libc function loaded
+        # beforehand, so the usual hazard with threads (a lock held at fork) does not apply.
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", *args], stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent(),  # noqa: PLW1509
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.children.append(Child(name, role, address, proc, log_path))
+
+    def wait_ready(self) -> None:
+        """Bounded wait: every process SERVING, then every instance listed by the router."""
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        for child in self.children:
+            self._wait_healthy(child, deadline)
+        want = {c.name for c in self.instances}
+        with grpc.insecure_channel(self.router_address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            seen: set[str] = set()
+            while time.monotonic() < deadline:
+                self._check_alive()
+                try:
+                    listed = stub.ListInstances(router_pb2.ListInstancesRequest(), timeout=1)
+                    seen = {i.instance_id for i in listed.instances}
+                except grpc.RpcError:
+                    pass
+                if want <= seen:
+                    return
+                time.sleep(0.1)
+        raise ClusterError(f"the router did not register {sorted(want - seen)} within "
+                           f"{self.spec.startup_timeout_s:.0f}s (logs in {self.log_dir})")
+
+    def _wait_healthy(self, child: Child, deadline: float) -> None:
+        with grpc.insecure_channel(child.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                self._check_alive()
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise ClusterError(f"{child.name} ({child.address}) was not healthy within "
+                           f"{self.spec.startup_timeout_s:.0f}s; last lines of "
+                           f"{child.log_path}:\n{child.tail()}")
+
+    def _check_alive(self) -> None:
+        if self.interrupted.is_set():
+            raise ClusterError("interrupted while starting")
+        for child in self.children:
+            code = child.proc.poll()
+            if code is not None:
+                raise ClusterError(f"{child.name} exited with code {code}; last lines of "
+                                   f"{child.log_path}:\n{child.tail()}")
+
+    # ------------------------------------------------------------------ run and stop
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group, wait up to `grace_s`, SIGKILL what is left."""
+        for child in reversed(self.children):  # instances first, the router last
+            _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for child in self.children:
+            _signal_group(child.proc, signal.SIGKILL)  # stragglers and any grandchildren
+            child.proc.wait()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        lines = [f"router     {self.router_address}"]
+        lines += [f"{c.name:<10} {c.address}  ({c.role}, {self.spec.connector})"
+                  for c in self.instances]
+        lines.append(f"logs       {self.log_dir}")
+        return "\n".join(lines)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # start_new_session: the group id is the child's pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("up", help="start a router with prefill and decode instances on "
+                                         "this machine")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--connector", default="shm", choices=["shm", "tcp", "nixl"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=ClusterSpec.grpc_port,
+                   help="the router's port (0 picks a free one)")
+    p.add_argument("--disagg-threshold", type=int, default=ClusterSpec.disagg_threshold)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--startup-timeout-s", type=float, default=ClusterSpec.startup_timeout_s)
+    p.add_argument("--log-dir", default=None)
+    p.set_defaults(func=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    spec = ClusterSpec(args.model, args.num_prefill, args.num_decode, args.connector, args.host,
+                       args.grpc_port, args.disagg_threshold, args.kv_cache_memory_bytes,
+                       args.redis_url, args.startup_timeout_s, args.log_dir)
+    cluster = Cluster(spec)
+    stop = cluster.interrupted
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(cluster.describe(), flush=True)
+    print("ready; Ctrl-C stops everything", flush=True)
+    code, reported = 0, set()
+    while not stop.wait(0.5):
+        for child in cluster.dead():
+            if child.name not in reported:
+                reported.add(child.name)
+                print(f"warning: {child.name} exited with code {child.proc.returncode}; last "
+                      f"lines:\n{child.tail()}", file=sys.stderr, flush=True)
+        if "router" in reported:
+            code = 1
+            break
+    cluster.stop()
+    print("stopped", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdserve.cluster ...`: the same as `pdserve up ...`."""
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["up", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""gRPC channels to instances, one per address, with short reconnect backoff.
+
+NOTE: gRPC's default reconnect backoff grows to two minutes; an instance restarted on the same
+address must be reachable again within a poll or two, so the backoff is capped at one second.
+No keepalive pings: servers refuse frequent ones, and every call here has a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import engine_pb2_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class ChannelPool:
+    """Cached insecure channels by address, and stubs over them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = channel
+            return channel
+
+    def prefill(self, address: str) -> engine_pb2_grpc.PrefillStub:
+        return engine_pb2_grpc.PrefillStub(self.get(address))
+
+    def decode(self, address: str) -> engine_pb2_grpc.DecodeStub:
+        return engine_pb2_grpc.DecodeStub(self.get(address))
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()

@@ -1,0 +1,307 @@
+"""One `Router.Generate` call: validate, route, prefill on P (with retries), decode on D, relay.
+
+    client --Generate--> router --Prefill--> P          (first token + KV handle)
+           <--first token--
+                                --Decode(handle)--> D   (pulls the KV, streams the rest)
+           <--tokens (D's first token stripped)--
+
+Every wait is bounded by the request's deadline (the client's, else `request_timeout_s`) and
+by per-call timeouts; when the client goes away, the call in flight is cancelled (D aborts
+and frees its blocks) and a lease taken on P but not handed to a decode is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2
+from pdserve.router.channels import ChannelPool
+from pdserve.router.registry import Instance, Registry
+from pdserve.router.relay import Relay
+from pdserve.router.routing import NoDecodeInstance, Plan, Planner, RouterConfig
+from pdserve.sampling_params import SamplingParams
+from pdserve.services.convert import params_from_proto
+
+logger = logging.getLogger(__name__)
+Code = grpc.StatusCode
+# Prefill failures that take the instance out of routing (anything else but INVALID_ARGUMENT
+# is still retried elsewhere, without the mark).
+DOWN_CODES = {Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.INTERNAL, Code.UNKNOWN}
+
+
+@dataclass
+class RouterCore:
+    """What every request flow shares: config, registry, planner, channels, tokenizer."""
+
+    config: RouterConfig
+    registry: Registry
+    planner: Planner
+    channels: ChannelPool
+    tokenizer: Any
+    # Release/Abort calls that nobody waits for (a dropped gRPC future would cancel itself).
+    background: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="router-bg"))
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def encode(self, text: str) -> list[int]:
+        """Same call as the engine's input processor, so both see the same ids."""
+        with self._tokenizer_lock:
+            return list(self.tokenizer.encode(text))
+
+    def forget_on_prefill(self, address: str, request_id: str) -> None:
+        """Best effort, in the background: abort a prefill and release its lease."""
+        stub, timeout = self.channels.prefill(address), self.config.control_timeout_s
+
+        def run():
+            for name, call, msg in (
+                    ("abort", stub.Abort, common_pb2.AbortRequest(request_id=request_id)),
+                    ("release", stub.Release, engine_pb2.ReleaseRequest(request_id=request_id))):
+                try:
+                    call(msg, timeout=timeout)
+                except grpc.RpcError as e:
+                    logger.info("%s of %s at %s: %s", name, request_id, address, e.code().name)
+
+        try:
+            self.background.submit(run)
+        except RuntimeError:  # shutting down: the lease expires by itself
+            pass
+
+    def is_down(self, instance: Instance) -> bool:
+        """Probe a decode instance after a failure: True when it does not answer."""
+        try:
+            self.channels.decode(instance.address).GetLoad(
+                common_pb2.LoadRequest(), timeout=self.config.control_timeout_s)
+        except grpc.RpcError:
+            return True
+        return False
+
+    def close(self) -> None:
+        self.background.shutdown(wait=False, cancel_futures=True)
+        self.channels.close()
+
+
+class _ClientGone(Exception):
+    """The RPC ended (client cancelled or its deadline passed): stop quietly."""
+
+
+class GenerateFlow:
+    """Runs one Generate call; `run()` yields the client's GenerateResponses."""
+
+    def __init__(self, core: RouterCore, request: router_pb2.GenerateRequest,
+                 context: grpc.ServicerContext):
+        self.core = core
+        self.config = core.config
+        self.request = request
+        self.context = context
+        self.rid = request.request_id or uuid.uuid4().hex
+        budget = min(context.time_remaining(), self.config.request_timeout_s)
+        self.deadline = time.monotonic() + budget
+        self.served = common_pb2.ServedBy()
+        self._lock = threading.Lock()
+        self._over = False  # the RPC has ended
+        self._inflight: Any = None  # the outgoing call to cancel when it does
+        self._lease: tuple[str, str] | None = None  # (P address, id) the router must release
+        context.add_callback(self._on_rpc_done)
+
+    # ------------------------------------------------------------------ the flow
+    def run(self) -> Iterator[common_pb2.GenerateResponse]:
+        try:
+            yield from self._generate()
+        except _ClientGone:
+            logger.info("request %s: client went away", self.rid)
+        finally:
+            self._on_rpc_done()  # also when the generator is closed without the callback
+
+    def _generate(self) -> Iterator[common_pb2.GenerateResponse]:
+        prompt_ids, params = self._validate()
+        try:
+            plan = self.core.planner.plan(prompt_ids, params.n)
+        except NoDecodeInstance as e:
+            self._abort(Code.UNAVAILABLE, str(e))
+        first = self._prefill(plan, prompt_ids) if plan.disaggregate else None
+        if first is not None:
+            yield self._first_message(first, prompt_ids, params, plan.decode.id)
+            if first.finish_reason:
+                return
+        yield from self._decode(plan, prompt_ids, params, first)
+
+    def _validate(self) -> tuple[list[int], SamplingParams]:
+        try:
+            params = params_from_proto(self.request.sampling)
+        except ValueError as e:
+            self._abort(Code.INVALID_ARGUMENT, str(e))
+        kind = self.request.WhichOneof("prompt")
+        if kind == "text":
+            ids = self.core.encode(self.request.text) if self.request.text else []
+        elif kind == "token_ids":
+            ids = list(self.request.token_ids.ids)
+        else:
+            self._abort(Code.INVALID_ARGUMENT, "prompt: set text or token_ids")
+        if not ids:
+            self._abort(Code.INVALID_ARGUMENT, f"prompt: must not be empty ({kind})")
+        bad = next((t for t in ids if t < 0), None)
+        if bad is not None:
+            self._abort(Code.INVALID_ARGUMENT, f"prompt.token_ids: token id {bad} is negative")
+        return ids, params
+
+    def _prefill(self, plan: Plan, prompt_ids: list[int]) -> engine_pb2.PrefillResponse | None:
+        """First token and KV handle from a prefill instance; None: prefill on D instead."""
+        req = engine_pb2.PrefillRequest(request_id=self.rid, prompt_token_ids=prompt_ids,
+                                        sampling=self.request.sampling)
+        tried: set[str] = set()
+        for _ in range(self.config.prefill_attempts):
+            p = self.core.planner.pick_prefill(plan.request, plan.decode, tried)
+            if p is None:
+                break
+            tried.add(p.id)
+            self.served.prefill_attempts += 1
+            timeout = min(self.config.prefill_timeout_s, self._remaining())
+            try:
+                stub = self.core.channels.prefill(p.address)
+                resp = self._call(stub.Prefill.future, req, timeout=timeout).result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                self.core.forget_on_prefill(p.address, self.rid)
+                self._check_client()
+                code = e.code() if isinstance(e, grpc.RpcError) else Code.CANCELLED
+                if code == Code.INVALID_ARGUMENT:
+                    self._abort(code, e.details())
+                if code == Code.DEADLINE_EXCEEDED and timeout < self.config.prefill_timeout_s:
+                    # The client's deadline, not a slow instance: nothing to retry or mark.
+                    self._abort(code, f"request {self.rid}: deadline passed during prefill")
+                if code in DOWN_CODES:
+                    self.core.registry.mark_down(p.id)
+                logger.warning("request %s: prefill on %s failed (%s: %s)", self.rid, p.id,
+                               code.name, _details(e))
+                continue
+            if not resp.HasField("handle") and not resp.finish_reason:
+                logger.warning("request %s: %s answered without a KV handle", self.rid, p.id)
+                continue
+            if resp.HasField("handle"):
+                self._set_lease((resp.handle.release_address or p.address, self.rid))
+            self.served.prefill_instance = resp.instance_id or p.id
+            self.served.disaggregated = True
+            self.served.kv_connector = resp.handle.connector
+            return resp
+        return None
+
+    def _first_message(self, first: engine_pb2.PrefillResponse, prompt_ids: list[int],
+                       params: SamplingParams, decode_id: str) -> common_pb2.GenerateResponse:
+        """The prefill's first token, sent at once; also the last message when it finished."""
+        msg = common_pb2.GenerateResponse(
+            request_id=self.rid, index=0, token_ids=[first.first_token_id], text=first.first_text,
+            cumulative_logprob=first.first_logprob, prompt_token_ids=prompt_ids)
+        if params.logprobs is not None:
+            msg.logprobs.append(first.first_logprobs)
+        if first.finish_reason:
+            msg.finish_reason, msg.stop_reason = first.finish_reason, first.stop_reason
+            msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=1,
+                                                cached_tokens=first.num_cached_tokens))
+        else:
+            self.served.decode_instance = decode_id  # planned; the last message says who did
+        msg.served_by.CopyFrom(self.served)
+        return msg
+
+    def _decode(self, plan: Plan, prompt_ids: list[int], params: SamplingParams,
+                first: engine_pb2.PrefillResponse | None) -> Iterator[common_pb2.GenerateResponse]:
+        """Stream D's generation to the client; retry on another D while none has answered."""
+        req = engine_pb2.DecodeRequest(request_id=self.rid, prompt_token_ids=prompt_ids,
+                                       sampling=self.request.sampling)
+        if first is not None:
+            req.handle.CopyFrom(first.handle)
+            req.output_token_ids.append(first.first_token_id)
+        connector = first.handle.connector if first is not None else ""
+        decode, tried = plan.decode, set()
+        for attempt in range(1, self.config.decode_attempts + 1):
+            tried.add(decode.id)
+            self.served.decode_instance = decode.id
+            if first is None:
+                self.served.prefill_instance = decode.id
+            relay = Relay(self.rid, prompt_ids, params.n, self.served, first)
+            try:
+                stub = self.core.channels.decode(decode.address)
+                call = self._call(stub.Decode, req, timeout=self._remaining())
+                for msg in call:
+                    out = relay.forward(msg)
+                    if out is not None:
+                        yield out
+            except grpc.RpcError as e:
+                self._check_client()
+                if e.code() == Code.INVALID_ARGUMENT and not relay.received:
+                    self._abort(Code.INVALID_ARGUMENT, e.details())
+                down = self.core.is_down(decode)
+                if down:
+                    self.core.registry.mark_down(decode.id)
+                if down and not relay.received and attempt < self.config.decode_attempts:
+                    retry = self.core.planner.pick_decode(plan.request, tried, connector)
+                    if retry is not None:
+                        logger.warning("request %s: decode %s is down, trying %s", self.rid,
+                                       decode.id, retry.id)
+                        decode = retry
+                        continue
+                where = "mid-stream" if relay.received else "before streaming"
+                code = Code.DEADLINE_EXCEEDED if e.code() == Code.DEADLINE_EXCEEDED \
+                    else Code.UNAVAILABLE
+                self._abort(code, f"decode instance {decode.id} failed {where}: "
+                                  f"{e.code().name}: {e.details()}")
+            if not relay.complete:
+                self._abort(Code.UNAVAILABLE, f"decode instance {decode.id} ended the stream "
+                                              f"before finishing completions {relay.missing}")
+            self._set_lease(None)  # D read the blocks and released them itself
+            return
+
+    # ------------------------------------------------------------------ plumbing
+    def _remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self._abort(Code.DEADLINE_EXCEEDED, f"request {self.rid}: deadline passed")
+        return left
+
+    def _call(self, start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start an outgoing call, registered for cancellation if the RPC ends."""
+        with self._lock:
+            if self._over:
+                raise _ClientGone
+            self._inflight = start(*args, **kwargs)
+            return self._inflight
+
+    def _check_client(self) -> None:
+        with self._lock:
+            if self._over:
+                raise _ClientGone
+
+    def _set_lease(self, lease: tuple[str, str] | None) -> None:
+        with self._lock:
+            self._lease = lease
+
+    def _release_lease(self) -> None:
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            self.core.forget_on_prefill(*lease)
+
+    def _on_rpc_done(self) -> None:
+        """gRPC calls this when the RPC ends for any reason (cancellation included): cancel
+        the outgoing call (a no-op once it completed) and release a lease left on P."""
+        with self._lock:
+            self._over = True
+            call, self._inflight = self._inflight, None
+        if call is not None:
+            call.cancel()
+        self._release_lease()
+
+    def _abort(self, code: grpc.StatusCode, message: str):
+        logger.info("request %s: %s %s", self.rid, code.name, message)
+        self.context.abort(code, message)
+
+
+def _details(e: BaseException) -> str:
+    return e.details() if isinstance(e, grpc.RpcError) else "cancelled"

@@ -1,0 +1,210 @@
+"""The router's instance registry: which prefill/decode instances are live, and their load.
+
+Two feeds fill one table keyed by instance id (the address while the id is unknown):
+- dynamic instances call `Router.Heartbeat(Load)` (the services' `--router` flag): `observe()`;
+- static instances (addresses given on the router's command line) are polled with `GetLoad`
+  by a `StaticPoller` thread every `poll_interval_s`.
+
+An instance not seen within `ttl_s` is ignored for routing; `mark_down()` (an RPC to it failed)
+takes it out at once, until an observation that started after the failure brings it back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2_grpc
+from pdserve.router.scorers.base import InstanceView
+
+DEFAULT_BLOCK_SIZE = 16
+ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "both", "both": "both"}
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One registered instance: what scorers see, plus what the request flow needs."""
+
+    view: InstanceView
+    connector: str = ""
+    block_size: int = 0  # 0: not reported
+    last_seen: float = 0.0
+    static: bool = False
+    down_since: float | None = None
+    load: common_pb2.Load = field(default_factory=common_pb2.Load, compare=False, repr=False)
+
+    @property
+    def id(self) -> str:
+        return self.view.id
+
+    @property
+    def address(self) -> str:
+        return self.view.address
+
+    def to_load(self) -> common_pb2.Load:
+        """The latest Load, with the id, address and role the router uses."""
+        load = common_pb2.Load()
+        load.CopyFrom(self.load)
+        load.instance_id, load.address = self.view.id, self.view.address
+        load.role = "colocated" if self.view.role == "both" else self.view.role
+        return load
+
+
+def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = "",
+                       seen_at: float = 0.0, static: bool = False) -> Instance:
+    """Build an Instance from a Load; `address`/`role` (a static instance's) take precedence.
+
+    Raises ValueError naming the field for a Load the router cannot use."""
+    address = address or load.address
+    if not address:
+        raise ValueError("address: the instance must report its gRPC address")
+    role = role or load.role
+    if role not in ROLES:
+        raise ValueError(f"role: expected prefill, decode or colocated, got {role!r}")
+    view = InstanceView(
+        id=load.instance_id or address, role=ROLES[role], address=address,
+        queued_requests=load.waiting_requests, queued_tokens=load.waiting_tokens,
+        running_requests=load.running_requests, free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks)
+    return Instance(view, load.connector, max(0, load.block_size), seen_at, static, load=load)
+
+
+class Registry:
+    """Thread-safe table of instances; `clock` is monotonic seconds (injectable for tests)."""
+
+    def __init__(self, ttl_s: float = 3.0, forget_after_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if ttl_s <= 0 or forget_after_s < ttl_s:
+            raise ValueError(f"registry: need 0 < ttl_s <= forget_after_s, got ttl_s={ttl_s}, "
+                             f"forget_after_s={forget_after_s}")
+        self.ttl_s = ttl_s
+        self.forget_after_s = forget_after_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._table: dict[str, Instance] = {}
+
+    def observe(self, load: common_pb2.Load, *, address: str = "", role: str = "",
+                seen_at: float | None = None, static: bool = False) -> Instance:
+        """Record a heartbeat or poll answer; `seen_at` is when the observation started (an
+        answer to a poll sent before a `mark_down` does not bring the instance back)."""
+        now = self.clock()
+        seen_at = now if seen_at is None else seen_at
+        inst = instance_from_load(load, address=address, role=role, seen_at=seen_at,
+                                  static=static)
+        with self._lock:
+            old = self._table.get(inst.id)
+            if old is not None:
+                inst = replace(inst, static=inst.static or old.static,
+                               last_seen=max(old.last_seen, seen_at))
+                if old.down_since is not None and seen_at < old.down_since:
+                    inst = replace(inst, down_since=old.down_since)
+            self._table[inst.id] = inst
+            self._forget_lapsed(now)
+        return inst
+
+    def mark_down(self, instance_id: str) -> None:
+        """An RPC to this instance failed: skip it until it answers again."""
+        with self._lock:
+            inst = self._table.get(instance_id)
+            if inst is not None:
+                self._table[instance_id] = replace(inst, down_since=self.clock())
+
+    def is_live(self, inst: Instance, now: float) -> bool:
+        return inst.down_since is None and now - inst.last_seen <= self.ttl_s
+
+    def live(self, role: str | None = None) -> list[Instance]:
+        """Live instances (sorted by id) that can serve `role` ("prefill"/"decode"/None: any)."""
+        now = self.clock()
+        with self._lock:
+            found = [i for i in self._table.values() if self.is_live(i, now)]
+        if role is not None:
+            found = [i for i in found if i.view.role in (role, "both")]
+        return sorted(found, key=lambda i: i.id)
+
+    def get(self, instance_id: str) -> Instance | None:
+        with self._lock:
+            return self._table.get(instance_id)
+
+    def all(self) -> list[Instance]:
+        """Every instance in the table, live or not."""
+        with self._lock:
+            return sorted(self._table.values(), key=lambda i: i.id)
+
+    def block_size(self) -> int:
+        """The block size the live instances report (the first one's), else the default."""
+        for inst in self.live():
+            if inst.block_size > 0:
+                return inst.block_size
+        return DEFAULT_BLOCK_SIZE
+
+    def _forget_lapsed(self, now: float) -> None:
+        for iid in [i for i, inst in self._table.items()
+                    if not inst.static and now - inst.last_seen > self.forget_after_s]:
+            del self._table[iid]
+
+
+class StaticPoller:
+    """Polls static instances' `GetLoad` on a thread, feeding the registry.
+
+    `targets` are (address, role) pairs; `channel_for(address)` gives a cached channel.
+    Polls run concurrently (futures), so a dead instance does not delay the others.
+    """
+
+    def __init__(self, registry: Registry, targets: Sequence[tuple[str, str]],
+                 channel_for: Callable[[str], grpc.Channel], poll_interval_s: float = 0.5,
+                 timeout_s: float = 1.0):
+        for address, role in targets:
+            if role not in ("prefill", "decode"):
+                raise ValueError(f"static instance {address}: role must be prefill or decode")
+        self.registry = registry
+        self.targets = list(targets)
+        self.channel_for = channel_for
+        self.poll_interval_s = poll_interval_s
+        self.timeout_s = min(timeout_s, max(poll_interval_s, 0.2) * 2)
+        self._ids: dict[str, str] = {}  # address -> instance id of its last answer
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-poller", daemon=True)
+
+    def start(self) -> StaticPoller:
+        if self.targets:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.timeout_s + 1)
+
+    def poll_once(self) -> None:
+        """Ask every target once and wait (bounded) for the answers."""
+        stubs = {"prefill": engine_pb2_grpc.PrefillStub, "decode": engine_pb2_grpc.DecodeStub}
+        pending: list[tuple[str, str, float, Future]] = []
+        for address, role in self.targets:
+            stub = stubs[role](self.channel_for(address))
+            started = self.registry.clock()
+            pending.append((address, role, started,
+                            stub.GetLoad.future(common_pb2.LoadRequest(), timeout=self.timeout_s)))
+        for address, role, started, fut in pending:
+            try:
+                load = fut.result()
+            except grpc.RpcError as e:
+                # NOTE: a slow answer is left to the TTL; only a refused connection is "down".
+                if e.code() == grpc.StatusCode.UNAVAILABLE and address in self._ids:
+                    self.registry.mark_down(self._ids[address])
+                continue
+            try:
+                inst = self.registry.observe(load, address=address, role=role,
+                                             seen_at=started, static=True)
+            except ValueError:
+                continue
+            self._ids[address] = inst.id
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll_once()
+            self._stop.wait(self.poll_interval_s)

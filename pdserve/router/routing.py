@@ -1,0 +1,117 @@
+"""Where a request goes: a decode instance D, and whether (and which) prefill instance P first.
+
+filters (live, role, connector) -> weighted scorers -> picker, llm-d style; the disaggregation
+rule decides whether a prompt is worth a KV transfer. The prefix index plugs in through
+`prefix_matches` (block hashes -> {instance id: leading blocks it holds}); until then it is
+empty and only load counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.block_hash import hash_blocks
+from pdserve.router.picker import PickerConfig, WeightedPicker
+from pdserve.router.registry import Instance, Registry
+from pdserve.router.scorers import RoutingRequest, should_disaggregate, uncached_tokens
+
+PrefixMatches = Callable[[Sequence[int]], Mapping[str, int]]
+
+
+def no_prefix_matches(block_hashes: Sequence[int]) -> Mapping[str, int]:
+    return {}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router routes and how long it waits. Built once from the command line."""
+
+    model: str = "SmolLM2-135M-Instruct"  # for the tokenizer (same as the instances')
+    disagg_threshold: int = 64  # uncached prompt tokens from which a prompt goes through P
+    prefill_attempts: int = 2  # prefill instances tried before prefilling on D
+    decode_attempts: int = 2  # decode instances tried while none has sent anything
+    prefill_timeout_s: float = 30.0  # per Prefill call (never beyond the client's deadline)
+    request_timeout_s: float = 3600.0  # a whole request, when the client set no deadline
+    control_timeout_s: float = 2.0  # Release / Abort / probe calls
+    ttl_s: float = 3.0  # an instance not heard from for this long is not routed to
+    poll_interval_s: float = 0.5  # GetLoad polls of static instances
+    picker: PickerConfig = field(
+        default_factory=lambda: PickerConfig(prefix_weight=2.0, queue_weight=1.0,
+                                             kv_usage_weight=1.0))
+
+    def __post_init__(self) -> None:
+        if self.disagg_threshold < 0:
+            raise ValueError(f"disagg_threshold must be >= 0, got {self.disagg_threshold}")
+        if self.prefill_attempts < 0 or self.decode_attempts < 1:
+            raise ValueError("prefill_attempts must be >= 0 and decode_attempts >= 1")
+        for name in ("prefill_timeout_s", "request_timeout_s", "control_timeout_s", "ttl_s",
+                     "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class NoDecodeInstance(RuntimeError):
+    """No live decode instance can take the request."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The routing decision for one request (P is picked later, per attempt)."""
+
+    decode: Instance
+    disaggregate: bool
+    request: RoutingRequest  # what scorers see (prompt length, blocks, prefix matches)
+
+
+class Planner:
+    """Picks instances from the registry. Thread-safe (pickers only share a tie counter)."""
+
+    def __init__(self, config: RouterConfig, registry: Registry,
+                 prefix_matches: PrefixMatches = no_prefix_matches):
+        self.config = config
+        self.registry = registry
+        self.prefix_matches = prefix_matches
+        # Separate pickers, so that decode picks do not shift the prefill tie rotation.
+        self.decode_picker = WeightedPicker.from_config(config.picker)
+        self.prefill_picker = WeightedPicker.from_config(config.picker)
+
+    def plan(self, prompt_ids: Sequence[int], n: int) -> Plan:
+        """Pick D; disaggregate when n == 1 and enough of the prompt is uncached on D."""
+        block_size = self.registry.block_size()
+        hashes = hash_blocks(prompt_ids, block_size)
+        matches = dict(self.prefix_matches(hashes)) if hashes else {}
+        request = RoutingRequest(len(prompt_ids), len(hashes), matches)
+        decode = self.pick_decode(request)
+        if decode is None:
+            raise NoDecodeInstance("no healthy decode instance")
+        uncached = uncached_tokens(len(prompt_ids), matches.get(decode.id, 0), block_size)
+        disaggregate = n == 1 and should_disaggregate(uncached, self.config.disagg_threshold)
+        return Plan(decode, disaggregate, request)
+
+    def pick_decode(self, request: RoutingRequest, exclude: Collection[str] = (),
+                    connector: str = "") -> Instance | None:
+        """Best live decode instance not in `exclude` (reading `connector`, when given)."""
+        found = [i for i in self.registry.live("decode") if i.id not in exclude
+                 and (not connector or i.connector == connector)]
+        return self._pick(self.decode_picker, request, found)
+
+    def pick_prefill(self, request: RoutingRequest, decode: Instance,
+                     exclude: Collection[str] = ()) -> Instance | None:
+        """Best live prefill instance not in `exclude` whose KV `decode` can read."""
+        found = [i for i in self.registry.live("prefill") if i.id not in exclude
+                 and i.id != decode.id and compatible(i, decode)]
+        return self._pick(self.prefill_picker, request, found)
+
+    @staticmethod
+    def _pick(picker: WeightedPicker, request: RoutingRequest,
+              found: list[Instance]) -> Instance | None:
+        if not found:
+            return None
+        by_id = {i.id: i for i in found}
+        return by_id[picker.pick(request, [i.view for i in found]).id]
+
+
+def compatible(prefill: Instance, decode: Instance) -> bool:
+    """A decode instance reads only handles of its own connector kind."""
+    return not prefill.connector or not decode.connector or prefill.connector == decode.connector

@@ -1,0 +1,170 @@
+"""The router's gRPC server (`pdserve router`): Generate, Heartbeat, ListInstances, the KV
+event feed of its prefix index (PublishKVEvents, ResyncKVState), health and reflection.
+
+    pdserve router --model M --grpc-port 50051 --prefill 127.0.0.1:7001 --decode 127.0.0.1:7002
+
+Instances given with --prefill/--decode are polled; others register with heartbeats (their
+`--router` flag). Instances started with `--router` also publish their KV events here, into
+an in-process prefix index; with --redis-url the router reads the shared Redis index instead
+(the instances then publish there). The request flow is in generate_flow.py, the routing
+decision in routing.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from pdserve.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
+from pdserve.router.channels import ChannelPool
+from pdserve.router.generate_flow import GenerateFlow, RouterCore
+from pdserve.router.kv_events_wire import batch_from_proto
+from pdserve.router.prefix_index import (
+    PrefixIndex,
+    PrefixIndexConfig,
+    create_prefix_index,
+)
+from pdserve.router.registry import Registry, StaticPoller
+from pdserve.router.routing import Planner, RouterConfig
+from pdserve.services.grpc_server import GrpcServer, service_name
+from pdserve.services.instance import heartbeat_info
+
+DEFAULT_PORT = 50051
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, core: RouterCore, index: PrefixIndex):
+        self.core = core
+        self.index = index
+        self.heartbeat_interval_s = min(1.0, core.config.ttl_s / 3)
+
+    def Generate(self, request, context):
+        yield from GenerateFlow(self.core, request, context).run()
+
+    def Heartbeat(self, request, context):
+        try:
+            inst = self.core.registry.observe(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.index.heartbeat(inst.id, heartbeat_info(inst.to_load()))
+        return router_pb2.HeartbeatResponse(interval_s=self.heartbeat_interval_s)
+
+    def ListInstances(self, request, context):
+        """Instances the router would route to now."""
+        return router_pb2.ListInstancesResponse(
+            instances=[i.to_load() for i in self.core.registry.live()])
+
+    def PublishKVEvents(self, request, context):
+        try:
+            batch = batch_from_proto(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return router_pb2.PublishKVEventsResponse(applied=self.index.apply(batch))
+
+    def ResyncKVState(self, request, context):
+        if not request.instance_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "instance_id: must not be empty")
+        try:
+            applied = self.index.resync(request.instance_id, list(request.block_hashes),
+                                        request.seq, request.medium or "gpu")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return router_pb2.PublishKVEventsResponse(applied=applied)
+
+
+class RouterServer:
+    """Router core + gRPC server + static-instance poller, started and stopped together."""
+
+    def __init__(self, config: RouterConfig, host: str = "127.0.0.1", port: int = 0,
+                 prefill: Sequence[str] = (), decode: Sequence[str] = (),
+                 index: PrefixIndex | None = None, tokenizer: Any = None):
+        for address in (*prefill, *decode):
+            if ":" not in address:
+                raise ValueError(f"--prefill/--decode: expected HOST:PORT, got {address!r}")
+        if tokenizer is None:
+            tokenizer = load_tokenizer(resolve_model(config.model))
+        self.index = index or create_prefix_index()
+        registry = Registry(ttl_s=config.ttl_s)
+        channels = ChannelPool()
+        self.core = RouterCore(config, registry, Planner(config, registry, self.index.match),
+                               channels, tokenizer)
+        targets = [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode]
+        self.poller = StaticPoller(registry, targets, channels.get, config.poll_interval_s)
+        self.grpc = GrpcServer(host, port, max_workers=256)  # one thread per open stream
+        self.grpc.add(router_pb2_grpc.add_RouterServicer_to_server,
+                      RouterServicer(self.core, self.index), [service_name(router_pb2, "Router")])
+        self.address = self.grpc.address
+
+    def start(self) -> RouterServer:
+        self.grpc.start()
+        self.poller.start()
+        return self
+
+    def stop(self) -> None:
+        self.grpc.stop()
+        self._close()
+
+    def _close(self) -> None:
+        self.poller.stop()
+        self.core.close()
+        self.index.close()
+
+    def serve_until_signal(self) -> None:
+        self.grpc.serve_until_signal(on_stop=self._close)
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("router", help="serve the gRPC router in front of prefill and "
+                                             "decode instances")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the served model (its tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    p.add_argument("--prefill", action="append", default=[], metavar="ADDR",
+                   help="a prefill instance to poll (repeatable)")
+    p.add_argument("--decode", action="append", default=[], metavar="ADDR",
+                   help="a decode instance to poll (repeatable)")
+    p.add_argument("--disagg-threshold", type=int, default=RouterConfig.disagg_threshold,
+                   help="uncached prompt tokens from which a prompt is prefilled on a prefill "
+                        "instance (0: always)")
+    p.add_argument("--prefill-attempts", type=int, default=RouterConfig.prefill_attempts)
+    p.add_argument("--prefill-timeout-s", type=float, default=RouterConfig.prefill_timeout_s)
+    p.add_argument("--redis-url", default=None,
+                   help="read the prefix index from this Redis (default: in-process, fed by "
+                        "the instances' KV events)")
+    p.set_defaults(func=run_router)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    config = RouterConfig(model=args.model, disagg_threshold=args.disagg_threshold,
+                          prefill_attempts=args.prefill_attempts,
+                          prefill_timeout_s=args.prefill_timeout_s)
+    index = (create_prefix_index(PrefixIndexConfig("redis", args.redis_url))
+             if args.redis_url else None)
+    router = RouterServer(config, args.host, args.grpc_port, args.prefill, args.decode, index)
+    router.start()
+    print(f"router listening on {router.address}", flush=True)
+    router.serve_until_signal()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdserve.router.server ...`: the same as `pdserve router ...`."""
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["router", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Instances dying under the router: a retried prefill, a local prefill, a clear error.
+
+One 2P2D cluster, taken apart step by step. A prefill instance is frozen (SIGSTOP) so that a
+request is sure to be waiting on it, then killed (SIGKILL) mid-request.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from cluster_procs import wait_for
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster, ClusterSpec
+from pdserve.proto.pdserve.v1 import (
+    common_pb2,
+    engine_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+
+KV_BYTES = 8 << 20
+SAMPLING = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    spec = ClusterSpec(model=str(tiny_model_dir), num_prefill=2, num_decode=2, grpc_port=0,
+                       disagg_threshold=16, kv_cache_memory_bytes=KV_BYTES,
+                       startup_timeout_s=90, log_dir=str(tmp_path_factory.mktemp("logs")))
+    with Cluster(spec) as c:
+        yield c
+        for child in c.children:  # nothing stays frozen into the teardown
+            if child.proc.poll() is None:
+                os.kill(child.proc.pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_cache_memory_bytes=KV_BYTES)
+    return lambda ids: llm.generate({"prompt_token_ids": ids}, SamplingParams(**SAMPLING),
+                                    use_tqdm=False)[0].outputs[0].token_ids
+
+
+def stub(cluster):
+    return router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+
+
+def request(ids, **sampling):
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
+                                      sampling=common_pb2.SamplingParams(**(sampling or SAMPLING)))
+
+
+def generate_while_killing(cluster, name, ids):
+    """Freeze `name`, start a request, kill `name` while the request waits on it."""
+    proc = cluster.child(name).proc
+    os.kill(proc.pid, signal.SIGSTOP)
+    result = {}
+
+    def run():
+        try:
+            result["msgs"] = list(stub(cluster).Generate(request(ids), timeout=30))
+        except grpc.RpcError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run)
+    start = time.monotonic()
+    thread.start()
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait(10)
+    thread.join(30)
+    assert not thread.is_alive(), "the request hung"
+    assert "error" not in result, result.get("error")
+    return result["msgs"], time.monotonic() - start
+
+
+def decodes_free(cluster):
+    for child in cluster.instances:
+        if child.role == "decode" and child.proc.poll() is None:
+            d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(child.address))
+            load = d.GetLoad(common_pb2.LoadRequest(), timeout=5)
+            if load.free_blocks != load.total_blocks:
+                return False
+    return True
+
+
+def test_killed_prefill_is_retried_on_the_other_one(cluster, reference):
+    # Idle cluster, tied scores: the first prefill pick is prefill-0 (smallest id).
+    ids = list(range(5000, 5040))
+    msgs, seconds = generate_while_killing(cluster, "prefill-0", ids)
+    assert [t for m in msgs for t in m.token_ids] == reference(ids)
+    served = msgs[-1].served_by
+    assert served.disaggregated and served.prefill_attempts == 2
+    assert served.prefill_instance == "prefill-1"
+    assert seconds < 15
+    assert wait_for(lambda: decodes_free(cluster), timeout=15)
+
+
+def test_last_prefill_killed_falls_back_to_local_prefill(cluster, reference):
+    ids = list(range(6000, 6040))
+    msgs, _ = generate_while_killing(cluster, "prefill-1", ids)
+    assert [t for m in msgs for t in m.token_ids] == reference(ids)
+    served = msgs[-1].served_by
+    assert not served.disaggregated and served.prefill_attempts == 1
+    assert served.prefill_instance == served.decode_instance
+    # With no prefill instance left, long prompts are prefilled on D straight away.
+    msgs = list(stub(cluster).Generate(request(list(range(6100, 6140))), timeout=30))
+    assert msgs[-1].served_by.prefill_attempts == 0
+    assert wait_for(lambda: decodes_free(cluster), timeout=15)
+
+
+def test_dead_decode_before_streaming_is_retried_on_the_other_one(cluster, reference):
+    # Two requests at once on tied decode instances: one of them picks decode-0, which is
+    # dead; it is retried on decode-1 (the router notices before anything was streamed).
+    cluster.child("decode-0").proc.kill()
+    cluster.child("decode-0").proc.wait(10)
+    prompts = [list(range(8000, 8040)), list(range(8100, 8140))]
+    results = [None, None]
+
+    def run(i):
+        results[i] = list(stub(cluster).Generate(request(prompts[i]), timeout=30))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for ids, msgs in zip(prompts, results, strict=True):
+        assert msgs is not None, "a request failed or hung"
+        assert [t for m in msgs for t in m.token_ids] == reference(ids)
+        assert msgs[-1].served_by.decode_instance == "decode-1"
+
+
+def test_decode_killed_mid_stream_gives_a_clear_error(cluster):
+    call = stub(cluster).Generate(request(list(range(7000, 7040)), temperature=0,
+                                          max_tokens=1500, ignore_eos=True), timeout=30)
+    next(call)
+    next(call)
+    cluster.child("decode-1").proc.kill()
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode instance decode-1 failed mid-stream" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(cluster).Generate(request(list(range(50))), timeout=10))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no healthy decode instance" in e.value.details()

@@ -1,0 +1,212 @@
+"""Router + prefill + decode processes (`Cluster`, as `pdserve up` starts them) over loopback."""
+
+import grpc
+import pytest
+from cluster_procs import wait_for
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster, ClusterSpec
+from pdserve.kv_transfer import nixl_available
+from pdserve.proto.pdserve.v1 import (
+    common_pb2,
+    engine_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+
+THRESHOLD = 16  # prompts of 16+ uncached tokens are disaggregated
+KV_BYTES = 8 << 20
+CONNECTORS = ["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl is not installed"))]
+
+
+@pytest.fixture(scope="module")
+def clusters(tiny_model_dir, tmp_path_factory):
+    """`get(connector)`: a 1P1D cluster; the previous one is stopped first (CPU is scarce)."""
+    running: dict[str, Cluster] = {}
+
+    def get(connector: str) -> Cluster:
+        if connector not in running:
+            for other in running.values():
+                other.stop()
+            running.clear()
+            spec = ClusterSpec(model=str(tiny_model_dir), connector=connector, grpc_port=0,
+                               disagg_threshold=THRESHOLD, kv_cache_memory_bytes=KV_BYTES,
+                               startup_timeout_s=90,
+                               log_dir=str(tmp_path_factory.mktemp(f"logs-{connector}")))
+            running[connector] = Cluster(spec).start()
+        return running[connector]
+
+    yield get
+    for cluster in running.values():
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), kv_cache_memory_bytes=KV_BYTES)
+
+
+def router(cluster):
+    return router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+
+
+def generate(cluster, prompt, timeout=30, **sampling):
+    """All messages of one Generate; `prompt` is text or a list of token ids."""
+    request = router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling))
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return list(router(cluster).Generate(request, timeout=timeout))
+
+
+def tokens(msgs, index=0):
+    return [t for m in msgs if m.index == index for t in m.token_ids]
+
+
+def all_free(cluster):
+    for child in cluster.instances:
+        stub = (engine_pb2_grpc.PrefillStub if child.role == "prefill"
+                else engine_pb2_grpc.DecodeStub)(grpc.insecure_channel(child.address))
+        load = stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
+        if load.free_blocks != load.total_blocks or load.leased_requests:
+            return False
+    return True
+
+
+def test_text_prompt_is_tokenized_like_the_engine(clusters, llm):
+    cluster = clusters("shm")
+    text = "The history of the printing press begins in ancient China, where woodblocks were " * 2
+    msgs = generate(cluster, text, temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(text, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert list(msgs[0].prompt_token_ids) == want.prompt_token_ids
+    assert tokens(msgs) == want.outputs[0].token_ids
+    assert msgs[-1].served_by.disaggregated
+
+
+def test_short_prompt_goes_to_decode_only(clusters, llm):
+    cluster = clusters("shm")
+    ids = list(range(4000, 4000 + THRESHOLD - 1))
+    msgs = generate(cluster, ids, temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert tokens(msgs) == want.token_ids
+    served = msgs[-1].served_by
+    assert not served.disaggregated and served.prefill_attempts == 0
+    assert served.prefill_instance == served.decode_instance == "decode-0"
+    assert msgs[0].HasField("served_by") and list(msgs[0].prompt_token_ids) == ids
+
+
+def test_prompt_cached_on_decode_skips_prefill(clusters):
+    """D's KV events reach the router's prefix index: a prompt D holds is not sent to P."""
+    cluster = clusters("shm")
+    ids = list(range(4500, 4540))
+    assert generate(cluster, ids, max_tokens=2)[-1].served_by.disaggregated
+
+    def decode_only():
+        last = generate(cluster, ids, max_tokens=2)[-1]
+        return not last.served_by.disaggregated and last.usage.cached_tokens >= 32
+
+    assert wait_for(decode_only, timeout=10, interval=0.2)
+
+
+def test_first_token_finishes_without_decode(clusters):
+    cluster = clusters("shm")
+    msgs = generate(cluster, list(range(4100, 4140)), temperature=0, max_tokens=1)
+    (msg,) = msgs
+    assert len(msg.token_ids) == 1 and msg.finish_reason == "length"
+    assert msg.usage.completion_tokens == 1 and msg.served_by.disaggregated
+    assert msg.served_by.decode_instance == ""
+    assert wait_for(lambda: all_free(cluster), timeout=15)
+
+
+def test_n2_prefills_on_decode(clusters, llm):
+    cluster = clusters("shm")
+    ids = list(range(4200, 4240))
+    sampling = {"n": 2, "temperature": 0.8, "seed": 11, "max_tokens": 6, "ignore_eos": True}
+    msgs = generate(cluster, ids, **sampling)
+    want = llm.generate({"prompt_token_ids": ids}, SamplingParams(**sampling),
+                        use_tqdm=False)[0].outputs
+    assert [tokens(msgs, i) for i in (0, 1)] == [w.token_ids for w in want]
+    assert {m.index for m in msgs if m.finish_reason} == {0, 1}
+    assert not msgs[-1].served_by.disaggregated
+    assert msgs[-1].usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("prompt, sampling, field", [
+    (list(range(50)), {"temperature": -1.0}, "temperature"),
+    (list(range(50)), {"top_p": 1.5}, "top_p"),
+    (list(range(50)), {"max_tokens": 0}, "max_tokens"),
+    (list(range(50)), {"n": 2, "temperature": 0}, "n"),
+    ("", {}, "prompt"),
+    ([], {}, "prompt"),
+    (None, {}, "prompt"),
+    ([-3] * 20, {}, "token_ids"),
+    ([10**8] * 20, {}, "token_id"),  # out of the vocabulary: the prefill instance says so
+    ([10**8] * 2, {}, "token_id"),  # same, from the decode instance (under the threshold)
+])
+def test_invalid_arguments(clusters, prompt, sampling, field):
+    cluster = clusters("shm")
+    request = router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling))
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt is not None:
+        request.token_ids.ids.extend(prompt)
+    with pytest.raises(grpc.RpcError) as e:
+        list(router(cluster).Generate(request, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+
+
+def test_client_cancel_frees_blocks_on_both_sides(clusters):
+    cluster = clusters("shm")
+    request = router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=list(range(4300, 4340))),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+    call = router(cluster).Generate(request, timeout=60)
+    first = next(call)
+    assert first.served_by.disaggregated
+    for _ in range(3):
+        next(call)
+    call.cancel()
+    assert wait_for(lambda: all_free(cluster), timeout=15)
+    # The cluster still serves.
+    assert tokens(generate(cluster, list(range(4400, 4440)), max_tokens=3, ignore_eos=True))
+
+
+def test_list_instances(clusters):
+    cluster = clusters("shm")
+    listed = router(cluster).ListInstances(router_pb2.ListInstancesRequest(), timeout=5)
+    by_id = {i.instance_id: i for i in listed.instances}
+    assert set(by_id) == {"prefill-0", "decode-0"}
+    assert by_id["decode-0"].address == cluster.child("decode-0").address
+    assert by_id["prefill-0"].role == "prefill" and by_id["prefill-0"].block_size == 16
+
+
+# Last: the shm cluster serves every test above, then tcp and nixl start once each.
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_disaggregated_matches_colocated(clusters, llm, connector):
+    cluster = clusters(connector)
+    base = {"shm": 1000, "tcp": 2000, "nixl": 3000}[connector]  # fresh prompts: no cache hits
+    for k, sampling in enumerate([{"temperature": 0}, {"temperature": 0.9, "seed": 5}]):
+        ids = list(range(base + 100 * k, base + 100 * k + 40))
+        msgs = generate(cluster, ids, max_tokens=12, ignore_eos=True, logprobs=1, **sampling)
+        want = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+            max_tokens=12, ignore_eos=True, **sampling), use_tqdm=False)[0].outputs[0]
+        assert tokens(msgs) == want.token_ids
+        assert "".join(m.text for m in msgs) == want.text
+        first, last = msgs[0], msgs[-1]
+        assert list(first.token_ids) == [want.token_ids[0]]  # sent as soon as P answered
+        assert list(first.prompt_token_ids) == ids
+        assert sum(len(m.logprobs) for m in msgs) == 12
+        assert all(m.logprobs[i].entries[0].token_id == t
+                   for m in msgs for i, t in enumerate(m.token_ids))
+        assert last.finish_reason == "length"
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 12)
+        served = last.served_by
+        assert served.disaggregated and served.kv_connector == connector
+        assert (served.prefill_instance, served.decode_instance) == ("prefill-0", "decode-0")
+        assert served.prefill_attempts == 1
+    assert wait_for(lambda: all_free(cluster), timeout=15)

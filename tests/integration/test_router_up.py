@@ -1,0 +1,110 @@
+"""`pdserve up` as a user runs it: ready line, endpoints, a request, and no process left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found |= {int(p) for p in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited
+
+
+def wait_gone(pids, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def start_up(model_dir, log_dir, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--grpc-port", "0",
+         "--kv-cache-memory-bytes", str(8 << 20), "--startup-timeout-s", "90",
+         "--log-dir", str(log_dir), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def read_until(proc, marker, timeout):
+    """Lines of proc's output up to the one containing `marker` (bounded wait)."""
+    lines: list[str] = []
+    done = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if marker in line:
+                break
+        done.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    done.wait(timeout)
+    assert any(marker in line for line in lines), "\n".join(lines)
+    return lines
+
+
+def test_up_serves_and_sigterm_leaves_no_process(tiny_model_dir, tmp_path):
+    proc = start_up(tiny_model_dir, tmp_path, "--num-prefill", "1", "--num-decode", "1",
+                    "--disagg-threshold", "16")
+    try:
+        lines = read_until(proc, "ready", timeout=120)
+        endpoints = dict(line.split()[:2] for line in lines[:-1])
+        assert list(endpoints)[:3] == ["router", "prefill-0", "decode-0"]
+        pids = children(proc.pid)
+        assert len(pids) == 3
+        stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(endpoints["router"]))
+        msgs = list(stub.Generate(router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=list(range(100, 140))),
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+            timeout=30))
+        assert sum(len(m.token_ids) for m in msgs) == 4 and msgs[-1].served_by.disaggregated
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "stopped" in proc.stdout.read()
+        assert wait_gone(pids, 5) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_children_die_with_a_killed_parent(tiny_model_dir, tmp_path):
+    proc = start_up(tiny_model_dir, tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while len(children(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = children(proc.pid)
+        assert len(pids) == 3
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert wait_gone(pids, 20) == []
+
+
+def test_startup_failure_names_the_process(tmp_path):
+    proc = start_up(tmp_path / "no-such-model", tmp_path)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "exited with code" in out and "model" in out

@@ -1,0 +1,158 @@
+"""Router instance registry: heartbeats and polls into one table, TTL, mark_down, roles."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2_grpc
+from pdserve.router.registry import DEFAULT_BLOCK_SIZE, Registry, StaticPoller
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def load(iid="d0", role="decode", address="127.0.0.1:5001", **kw):
+    return common_pb2.Load(instance_id=iid, role=role, address=address, **kw)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def reg(clock):
+    return Registry(ttl_s=3.0, forget_after_s=30.0, clock=clock)
+
+
+def test_observe_maps_load_to_view(reg):
+    reg.observe(load(waiting_requests=2, waiting_tokens=300, running_requests=1,
+                     free_blocks=10, total_blocks=40, connector="tcp", block_size=32))
+    (inst,) = reg.live()
+    v = inst.view
+    assert (v.id, v.role, v.address) == ("d0", "decode", "127.0.0.1:5001")
+    assert (v.queued_requests, v.queued_tokens, v.running_requests) == (2, 300, 1)
+    assert v.kv_usage == pytest.approx(0.75)
+    assert (inst.connector, inst.block_size) == ("tcp", 32)
+    assert reg.block_size() == 32
+    assert inst.to_load().waiting_tokens == 300
+
+
+@pytest.mark.parametrize("role, live_as_prefill, live_as_decode", [
+    ("prefill", True, False), ("decode", False, True), ("colocated", True, True)])
+def test_roles(reg, role, live_as_prefill, live_as_decode):
+    reg.observe(load(role=role))
+    assert bool(reg.live("prefill")) == live_as_prefill
+    assert bool(reg.live("decode")) == live_as_decode
+
+
+@pytest.mark.parametrize("bad, field", [
+    (load(address=""), "address"), (load(role="router"), "role"), (load(role=""), "role")])
+def test_unusable_loads_are_rejected_naming_the_field(reg, bad, field):
+    with pytest.raises(ValueError, match=field):
+        reg.observe(bad)
+    assert reg.all() == []
+
+
+def test_unknown_id_is_keyed_by_address(reg):
+    reg.observe(load(iid=""))
+    assert [i.id for i in reg.live()] == ["127.0.0.1:5001"]
+
+
+def test_ttl_lapses_and_heartbeat_revives(reg, clock):
+    reg.observe(load())
+    clock.t += 3.0
+    assert len(reg.live()) == 1  # exactly ttl_s old: still live
+    clock.t += 0.1
+    assert reg.live() == [] and len(reg.all()) == 1
+    reg.observe(load())
+    assert len(reg.live()) == 1
+
+
+def test_dynamic_instances_are_forgotten_static_ones_kept(reg, clock):
+    reg.observe(load("dyn", address="127.0.0.1:1"))
+    reg.observe(load("stat", address="127.0.0.1:2"), static=True)
+    clock.t += 31
+    reg.observe(load("other", address="127.0.0.1:3"))  # any observation sweeps
+    assert [i.id for i in reg.all()] == ["other", "stat"]
+
+
+def test_mark_down_until_a_later_answer(reg, clock):
+    reg.observe(load())
+    started_before = clock.t
+    clock.t += 0.5
+    reg.mark_down("d0")
+    assert reg.live() == []
+    reg.observe(load(), seen_at=started_before)  # a poll sent before the failure
+    assert reg.live() == []
+    clock.t += 0.1
+    reg.observe(load())
+    assert [i.id for i in reg.live()] == ["d0"]
+    reg.mark_down("unknown")  # no-op
+
+
+def test_static_and_heartbeat_share_one_entry(reg):
+    reg.observe(load(address="localhost:5001"), address="127.0.0.1:5001", role="decode",
+                static=True)
+    reg.observe(load(waiting_requests=7, address="127.0.0.1:5001"))
+    (inst,) = reg.all()
+    assert inst.static and inst.view.queued_requests == 7
+
+
+def test_live_is_sorted_and_block_size_defaults(reg):
+    assert reg.block_size() == DEFAULT_BLOCK_SIZE
+    for iid in ("p1", "d0", "p0"):
+        reg.observe(load(iid, role="prefill" if iid[0] == "p" else "decode",
+                         address=f"127.0.0.1:{len(iid)}{iid}"))
+    assert [i.id for i in reg.live("prefill")] == ["p0", "p1"]
+    assert reg.block_size() == DEFAULT_BLOCK_SIZE  # none reported one
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="ttl_s"):
+        Registry(ttl_s=0)
+
+
+class _Decode(engine_pb2_grpc.DecodeServicer):
+    def GetLoad(self, request, context):
+        return common_pb2.Load(instance_id="dec-a", role="decode", address="ignored:1",
+                               free_blocks=5, total_blocks=8, block_size=16)
+
+
+def test_static_poller_over_grpc(reg):
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    engine_pb2_grpc.add_DecodeServicer_to_server(_Decode(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{port}"
+    channels = {}
+
+    def channel_for(addr):
+        return channels.setdefault(addr, grpc.insecure_channel(addr))
+
+    # A second target nobody listens on: its poll fails fast and registers nothing.
+    dead = "127.0.0.1:1"
+    poller = StaticPoller(reg, [(address, "decode"), (dead, "decode")], channel_for,
+                          poll_interval_s=0.1, timeout_s=1.0)
+    try:
+        poller.poll_once()
+        (inst,) = reg.live("decode")
+        assert (inst.id, inst.address, inst.static) == ("dec-a", address, True)
+        server.stop(0).wait(2)
+        poller.poll_once()  # connection refused: down at once, not after the TTL
+        assert reg.live() == []
+    finally:
+        server.stop(0)
+        for ch in channels.values():
+            ch.close()
+
+
+def test_static_poller_rejects_bad_role(reg):
+    with pytest.raises(ValueError, match="role"):
+        StaticPoller(reg, [("127.0.0.1:1", "router")], grpc.insecure_channel)
