@@ -7,7 +7,8 @@ both sides, so backends copy/send/read one range per (plane, run) instead of one
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from pdserve.kv_transfer.errors import KVTransferError
 

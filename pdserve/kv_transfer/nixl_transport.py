@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from pdserve.kv_transfer.transport import KVLayout, KVTransport
 
 def _import_nixl() -> Any:
     try:
-        from nixl import _api  # noqa: PLC0415 - optional dependency, imported lazily
+        from nixl import _api
     except ImportError as e:
         raise KVTransferError("connector 'nixl' needs the nixl package: pip install nixl==1.5.1 "
                               f"(import failed: {e})") from e
@@ -94,10 +95,8 @@ class NixlTransport(KVTransport):
 
     def _progress_loop(self) -> None:
         while not self._stop.wait(self.poll_interval_s):
-            try:
+            with suppress(Exception):  # a dying peer must not kill the server
                 self._agent.get_new_notifs()  # progresses the UCX worker for remote peers
-            except Exception:  # noqa: BLE001 - a dying peer must not kill the server
-                pass
 
     # ------------------------------------------------------------------ consumer
     def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun]) -> None:
@@ -117,18 +116,18 @@ class NixlTransport(KVTransport):
                 "READ", self._agent.get_xfer_descs(local, _mem_type(cache)),
                 self._agent.get_xfer_descs(far, mem), peer)
             self._wait(handle, self._agent.transfer(handle), peer)
-        except KVTransferError:
-            self._forget(remote)
-            raise
         except Exception as e:  # nixl raises its own binding errors (e.g. remote disconnect)
-            self._forget(remote)
+            self._release(handle)
+            self._forget(remote)  # reload the peer's metadata on the next try
+            if isinstance(e, KVTransferError):
+                raise
             raise KVTransferError(f"NIXL read from {peer!r} failed: {type(e).__name__}: {e}") from e
-        finally:
-            if handle is not None:
-                try:
-                    self._agent.release_xfer_handle(handle)
-                except Exception:  # noqa: BLE001 - an unfinished handle may refuse release
-                    pass
+        self._release(handle)
+
+    def _release(self, handle: Any) -> None:
+        if handle is not None:
+            with suppress(Exception):  # an unfinished handle may refuse release
+                self._agent.release_xfer_handle(handle)
 
     def _wait(self, handle: Any, state: str, peer: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -137,7 +136,7 @@ class NixlTransport(KVTransport):
             if time.monotonic() > deadline:
                 raise KVTransferError(f"NIXL read from {peer!r} timed out after {self.timeout_s:.1f}s")
             time.sleep(pause)
-            pause = min(pause * 2 or 2e-5, 1e-3)
+            pause = min(pause * 2 or 1e-5, 2e-4)  # CMA reads finish inside transfer()
             state = self._agent.check_xfer_state(handle)
         if state != "DONE":
             raise KVTransferError(f"NIXL read from {peer!r} failed (state {state})")
@@ -159,10 +158,8 @@ class NixlTransport(KVTransport):
     def _forget(self, remote: dict[str, Any]) -> None:
         name = self._remotes.pop(str(remote.get("agent_name")), None)
         if name is not None:
-            try:
+            with suppress(Exception):  # already gone
                 self._agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -175,10 +172,8 @@ class NixlTransport(KVTransport):
         for key in list(self._remotes):
             self._forget({"agent_name": key})
         if self._reg_descs is not None:
-            try:
+            with suppress(Exception):  # best effort at shutdown
                 self._agent.deregister_memory(self._reg_descs)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
             self._reg_descs = None
         self._kv_cache = None
         self._agent = None

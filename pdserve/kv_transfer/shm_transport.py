@@ -2,8 +2,8 @@
 
 Producer: the engine's cache *is* a file under /dev/shm mapped MAP_SHARED, so serving costs
 nothing. Consumer: maps that file read-only by name (once, cached) and copies each coalesced run
-of blocks straight from the mapping into its own cache: one strided `copy_` per run, no
-intermediate buffer.
+of blocks straight from the mapping into its own cache: one strided copy per run (all planes at
+once), no intermediate buffer.
 
 Descriptor extra keys: {"segment": "/dev/shm/<name>", "inode": int, "pid": int,
 "pid_start": int, "pidns": int} — the owner fields let a consumer detect a dead producer.
@@ -16,14 +16,25 @@ import warnings
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.kv_transfer.block_runs import BlockRun
 from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.shm_segment import (create_segment, map_segment_readonly, new_segment_name,
-                                             owner_alive, sweep_stale_segments, unlink_if_owner,
-                                             unlink_quietly)
-from pdserve.kv_transfer.transport import KVLayout, KVTransport
+from pdserve.kv_transfer.shm_segment import (
+    create_segment,
+    map_segment_readonly,
+    new_segment_name,
+    owner_alive,
+    sweep_stale_segments,
+    unlink_if_owner,
+    unlink_quietly,
+)
+from pdserve.kv_transfer.transport import KVLayout, KVTransport, plane_bytes
+
+# Runs at least this big are copied with torch (multi-threaded); smaller ones with numpy, since
+# a thread-pool barrier per small copy stalls badly when another process holds a core.
+PARALLEL_COPY_BYTES = 32 << 20
 
 
 class ShmTransport(KVTransport):
@@ -67,10 +78,14 @@ class ShmTransport(KVTransport):
         return self._descriptor(segment=self.segment_path, inode=self._inode, **self._owner)
 
     def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun]) -> None:
-        src = self._peer_view(remote, remote_layout)  # (layers, 2, remote_blocks, ...)
-        dst = self.kv_cache  # (layers, 2, local_blocks, ...)
+        src = plane_bytes(self._peer_view(remote, remote_layout))  # (planes, remote_blocks, chunk)
+        dst = plane_bytes(self.kv_cache)  # (planes, local_blocks, chunk)
+        src_np, dst_np = src.numpy(), dst.numpy()
         for r, loc, n in runs:
-            dst[:, :, loc:loc + n].copy_(src[:, :, r:r + n])
+            if n * remote_layout.block_bytes >= PARALLEL_COPY_BYTES:
+                dst[:, loc:loc + n].copy_(src[:, r:r + n])  # big run: torch's threaded copy
+            else:  # small run: one serial memcpy per plane, no thread-pool sync per run
+                np.copyto(dst_np[:, loc:loc + n], src_np[:, r:r + n])
 
     def _peer_view(self, remote: dict[str, Any], layout: KVLayout) -> torch.Tensor:
         """The producer's cache, mapped read-only; checks the producer is still there."""

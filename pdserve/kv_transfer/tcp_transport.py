@@ -27,7 +27,7 @@ import torch
 from pdserve.kv_transfer.block_runs import BlockRun, check_block_ids, remote_runs
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.socket_io import recv_exact, recv_into_views, send_views
-from pdserve.kv_transfer.transport import KVLayout, KVTransport
+from pdserve.kv_transfer.transport import KVLayout, KVTransport, plane_bytes
 
 MAGIC = b"PDKV"
 OP_HELLO, OP_READ = 1, 2
@@ -36,10 +36,14 @@ REPLY = struct.Struct("!BQ")
 MAX_REQUEST_BYTES = 1 << 24
 
 
-def plane_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """(layers, 2, blocks, ...) CPU cache -> (planes, blocks, chunk_bytes) uint8 view, no copy."""
-    planes, blocks = cache.shape[0] * 2, cache.shape[2]
-    return cache.view(planes, blocks, -1).view(torch.uint8)
+def run_views(cache: torch.Tensor, runs: list[tuple[int, int]]) -> list[memoryview]:
+    """Byte views of a CPU cache, plane-major: for each plane, for each (start, count) run."""
+    planes = plane_bytes(cache)  # (planes, blocks, chunk_bytes)
+    n_planes, n_blocks, chunk = planes.shape
+    flat = memoryview(planes.numpy().reshape(-1))  # format "B", no copy
+    plane = n_blocks * chunk
+    return [flat[p * plane + s * chunk:p * plane + (s + n) * chunk]
+            for p in range(n_planes) for s, n in runs]
 
 
 class TcpTransport(KVTransport):
@@ -48,9 +52,12 @@ class TcpTransport(KVTransport):
     kind = "tcp"
 
     def __init__(self, engine_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, advertise_host: str | None = None) -> None:
+        """Serve on host:port (port 0: a free one); the descriptor names `advertise_host`
+        (default: host) so a server bound to 0.0.0.0 can publish a routable address."""
         super().__init__(engine_id, timeout_s)
         self.host, self.port = host, int(port)
+        self.advertise_host = advertise_host or host
         self._server: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
@@ -78,7 +85,7 @@ class TcpTransport(KVTransport):
             self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                    name=f"kv-tcp-accept-{self.engine_id}")
             self._accept_thread.start()
-        return self._descriptor(host=self.host, port=self.port)
+        return self._descriptor(host=self.advertise_host, port=self.port)
 
     def _accept_loop(self) -> None:
         assert self._server is not None
@@ -128,14 +135,14 @@ class TcpTransport(KVTransport):
         cache = self._kv_cache
         if cache is None:
             return self._reply_error(conn, "producer has no KV cache (closed)")
+        if len(ids) > 4 * cache.shape[2]:
+            return self._reply_error(conn, f"too many block ids ({len(ids)}) in one request")
         try:
             check_block_ids(ids, cache.shape[2], "requested")
         except KVTransferError as e:
             return self._reply_error(conn, str(e))
         if cache.device.type == "cpu":
-            src = plane_bytes(cache).numpy()  # (planes, blocks, chunk_bytes)
-            views = [memoryview(src[p, s:s + n].reshape(-1))
-                     for p in range(src.shape[0]) for s, n in remote_runs(ids)]
+            views = run_views(cache, remote_runs(ids))
         else:  # device cache: gather to host first
             idx = torch.tensor(ids, device=cache.device)
             staged = cache.index_select(2, idx).cpu().contiguous()
@@ -190,9 +197,7 @@ class TcpTransport(KVTransport):
         cache = self.kv_cache
         n_planes = cache.shape[0] * 2
         if cache.device.type == "cpu":
-            dst = plane_bytes(cache).numpy()  # (planes, blocks, chunk_bytes)
-            recv_into_views(conn, [memoryview(dst[p, loc:loc + n].reshape(-1))
-                                   for p in range(n_planes) for _, loc, n in runs])
+            recv_into_views(conn, run_views(cache, [(loc, n) for _, loc, n in runs]))
             return
         count = sum(n for _, _, n in runs)
         staged = torch.empty((n_planes, count, *cache.shape[3:]), dtype=cache.dtype)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -113,6 +113,11 @@ class KVLayout:
             raise KVTransferError(f"KV layouts differ (remote, local): {diff}")
 
 
+def plane_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """(layers, 2, blocks, ...) contiguous cache -> (planes, blocks, chunk_bytes) uint8 view, no copy."""
+    return cache.view(cache.shape[0] * 2, cache.shape[2], -1).view(torch.uint8)
+
+
 class KVTransport(ABC):
     """Serves this engine's KV cache to peers and reads peers' blocks into it.
 
@@ -189,7 +194,7 @@ class KVTransport(ABC):
     def close(self) -> None:
         """Stop serving and release (unlink/unregister) everything. Idempotent."""
 
-    def __enter__(self) -> KVTransport:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,224 @@
+"""Contract tests for every KV transport, with the producer in a separate real process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.kv_transfer import (
+    KVLayout,
+    KVTransferError,
+    make_transport,
+    nixl_available,
+)
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from kv_producer import DESCRIPTOR_PREFIX, fill_cache
+
+NO_NIXL = pytest.mark.skipif(not nixl_available(), reason="nixl not importable (pip install nixl==1.5.1)")
+
+
+def cases(*rows: tuple) -> list:
+    """pytest params; rows whose kind is nixl are skipped when nixl is missing."""
+    return [pytest.param(*row, marks=[NO_NIXL] if row[0] == "nixl" else []) for row in rows]
+
+
+KINDS = cases(("shm",), ("tcp",), ("nixl",))
+LAYOUT = {"num_layers": 3, "num_blocks": 24, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
+REMOTE_IDS = [3, 4, 5, 9, 0, 17, 18, 23, 12]   # runs, singles, out of order
+LOCAL_IDS = [10, 11, 12, 2, 30, 5, 6, 20, 13]  # different ids; 12->13 continues a run remotely only
+WAIT_S = 20.0
+
+
+class Producer:
+    """A producer process: start, read its descriptor, command it, kill it."""
+
+    def __init__(self, kind: str, layout: dict, seed: int, **options) -> None:
+        self.layout, self.seed = layout, seed
+        self._pending = b""  # stdout bytes read but not yet consumed as lines
+        env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "kv_producer.py"), kind, f"prefill-{seed}",
+             json.dumps(layout), str(seed), json.dumps(options)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.descriptor = json.loads(self.expect(DESCRIPTOR_PREFIX)[len(DESCRIPTOR_PREFIX):])
+
+    def expect(self, prefix: str, timeout: float = WAIT_S) -> str:
+        """The next stdout line starting with `prefix` (other lines, e.g. library logs, skipped)."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.startswith(prefix.encode()):
+                    return line.decode()
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(f"producer sent no {prefix!r} line within {timeout}s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"producer exited (rc={self.proc.poll()}) before {prefix!r}")
+            self._pending += chunk
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def expected(self) -> torch.Tensor:
+        return fill_cache(self.layout, self.seed)
+
+    def stop(self) -> int:
+        """Close stdin (the producer closes and exits) and reap it; kill it if it hangs."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            rc = self.proc.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait(timeout=WAIT_S)
+        self.proc.stdout.close()
+        return rc
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=WAIT_S)
+
+
+def consumer(kind: str, layout: dict, num_blocks: int = 32, **options):
+    transport = make_transport(kind, "decode-0", **options)
+    transport.allocate_kv_cache(KVLayout(**{**layout, "num_blocks": num_blocks}))
+    return transport
+
+
+@pytest.mark.parametrize("kind, dtype, ending", cases(
+    ("shm", "float32", "close"), ("shm", "bfloat16", "kill"),
+    ("tcp", "float32", "kill"), ("tcp", "float16", "close"),
+    ("nixl", "float32", "close"), ("nixl", "float16", "kill")))
+def test_transport_contract(kind: str, dtype: str, ending: str) -> None:
+    """Exact bytes for chosen blocks, clean errors, then the producer closes or is killed."""
+    layout = {**LAYOUT, "dtype": dtype}
+    producer = Producer(kind, layout, seed=7)
+    try:
+        with consumer(kind, layout, timeout_s=3.0) as dec:
+            desc = producer.descriptor
+            assert desc["kind"] == kind and desc["layout"] == layout
+            moved = dec.read_blocks(desc, REMOTE_IDS, LOCAL_IDS)
+            block_bytes = KVLayout(**layout).block_bytes
+            assert moved == len(REMOTE_IDS) * block_bytes
+            want = producer.expected()  # (layers, 2, 24, ...)
+            got = dec.kv_cache  # (layers, 2, 32, ...)
+            assert torch.equal(got[:, :, LOCAL_IDS], want[:, :, REMOTE_IDS])
+            untouched = [b for b in range(32) if b not in LOCAL_IDS]
+            assert not got[:, :, untouched].any()
+
+            # Out of range is a clean error; the producer keeps serving afterwards.
+            with pytest.raises(KVTransferError, match="out of range"):
+                dec.read_blocks(desc, [2, LAYOUT["num_blocks"]], [0, 1])
+            assert not got[:, :, [0, 1]].any()
+            assert dec.read_blocks(desc, [1, 2], [0, 1]) == 2 * block_bytes
+            assert torch.equal(got[:, :, [0, 1]], want[:, :, [1, 2]])
+            if kind == "tcp":
+                check_tcp_server_rejects_bad_requests(producer)
+            assert producer.proc.poll() is None
+
+            if ending == "close":
+                check_read_after_close(producer, dec)
+            else:
+                check_dead_producer_fails_fast(producer, dec)
+        if ending == "close":
+            assert producer.stop() == 0
+    finally:
+        producer.stop()
+
+
+def check_read_after_close(producer: Producer, dec) -> None:
+    desc = producer.descriptor
+    producer.send("close")
+    producer.expect("CLOSED")
+    if desc["kind"] == "shm":
+        assert not os.path.exists(desc["segment"])
+        with pytest.raises(KVTransferError, match="gone"):
+            dec.read_blocks(desc, [1], [0])
+    elif desc["kind"] == "tcp":
+        with pytest.raises(KVTransferError):
+            dec.read_blocks(desc, [1], [0])
+
+
+def check_dead_producer_fails_fast(producer: Producer, dec) -> None:
+    """SIGKILL the producer (its connection/mapping is cached): a read fails within seconds."""
+    desc = producer.descriptor
+    producer.kill()
+    start = time.monotonic()
+    with pytest.raises(KVTransferError):
+        dec.read_blocks(desc, [1, 2], [3, 4])
+    assert time.monotonic() - start < 5.0
+    if desc["kind"] == "shm":  # the consumer removed the segment its dead owner left behind
+        assert not os.path.exists(desc["segment"])
+
+
+def test_shm_segment_removed_at_exit_without_close() -> None:
+    producer = Producer("shm", {**LAYOUT, "dtype": "float32"}, seed=5)
+    path = producer.descriptor["segment"]
+    assert os.path.exists(path)
+    producer.send("exit")
+    assert producer.stop() == 0
+    assert not os.path.exists(path)
+
+
+def check_tcp_server_rejects_bad_requests(producer: Producer) -> None:
+    """Raw requests the client never sends: the server answers errors and keeps serving."""
+    from pdserve.kv_transfer.socket_io import recv_exact
+    from pdserve.kv_transfer.tcp_transport import MAGIC, OP_HELLO, OP_READ, REPLY, REQ
+
+    desc = producer.descriptor
+    with socket.create_connection((desc["host"], desc["port"]), timeout=WAIT_S) as s:
+        def ask(op: int, payload: bytes) -> tuple[int, bytes]:
+            s.sendall(REQ.pack(MAGIC, op, len(payload)) + payload)
+            status, length = REPLY.unpack(recv_exact(s, REPLY.size))
+            return status, recv_exact(s, length)
+
+        assert ask(OP_HELLO, b"someone-else")[0] == 1
+        status, body = ask(OP_READ, struct.pack("!2I", 1, 10_000))
+        assert status == 1 and b"out of range" in body
+        status, body = ask(OP_READ, struct.pack("!1I", 1))
+        assert status == 0 and len(body) == KVLayout.from_dict(desc["layout"]).block_bytes
+        s.sendall(b"JUNK" + bytes(5))
+        status, length = REPLY.unpack(recv_exact(s, REPLY.size))
+        assert status == 1 and b"bad request" in recv_exact(s, length)
+
+
+def test_contract_errors_without_processes() -> None:
+    with pytest.raises(ValueError, match="connector"):
+        make_transport("carrier-pigeon", "e0")
+    layout = KVLayout(**LAYOUT, dtype="float32")
+    with make_transport("tcp", "e0") as a, make_transport("tcp", "e1") as b:
+        a.allocate_kv_cache(layout)
+        b.allocate_kv_cache(KVLayout(**{**LAYOUT, "head_dim": 16}, dtype="float32"))
+        desc = b.serve()
+        with pytest.raises(KVTransferError, match="layouts differ"):
+            a.read_blocks(desc, [0], [0])
+        with pytest.raises(KVTransferError, match="kind"):
+            a.read_blocks({**desc, "kind": "shm"}, [0], [0])
+        with pytest.raises(KVTransferError, match="duplicates"):
+            a.read_blocks({**desc, "layout": layout.to_dict()}, [0, 1], [2, 2])
+        assert a.read_blocks({**desc, "layout": layout.to_dict()}, [], []) == 0
+
+
+def test_nixl_missing_gives_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "nixl", None)  # as if the package were not installed
+    monkeypatch.setitem(sys.modules, "nixl._api", None)
+    with pytest.raises(KVTransferError, match="pip install nixl"):
+        make_transport("nixl", "e0")
