@@ -25,7 +25,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 # Modules that register a subcommand with `add_cli(subparsers)`.
 _SUBCOMMANDS = ["pdserve.services.prefill_server", "pdserve.services.decode_server",
-                "pdserve.router.server", "pdserve.cluster"]
+                "pdserve.router.server", "pdserve.cluster", "pdserve.gateway.server"]
 
 
 def build_parser() -> argparse.ArgumentParser:

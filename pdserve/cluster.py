@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ class ClusterSpec:
     log_dir: str | None = None  # default: a fresh temporary directory
     instance_args: tuple[str, ...] = ()  # extra flags for every instance (e.g. --kv-lease-s 5)
     router_args: tuple[str, ...] = ()  # extra flags for the router
+    http_port: int | None = None  # the OpenAI-format gateway in front of the router (None: none)
+    api_key: str | None = None  # the gateway's Bearer key
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -112,7 +115,7 @@ class Cluster:
 
     @property
     def instances(self) -> list[Child]:
-        return [c for c in self.children if c.role != "router"]
+        return [c for c in self.children if c.role in ("prefill", "decode")]
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -143,6 +146,13 @@ class Cluster:
         if s.redis_url:
             router_cmd += ["--redis-url", s.redis_url]
         self._spawn("router", "router", self.router_address, router_cmd)
+        if s.http_port is not None:
+            self.http_address = f"{dial}:{s.http_port or free_port(dial)}"
+            gateway_cmd = ["serve", "--router", self.router_address, "--model", s.model,
+                           "--host", s.host, "--port", self.http_address.rsplit(":", 1)[1]]
+            if s.api_key:
+                gateway_cmd += ["--api-key", s.api_key]
+            self._spawn("gateway", "gateway", self.http_address, gateway_cmd)
         for name, role in planned:
             cmd = [role, "--model", s.model, "--host", s.host,
                    "--port", addresses[name].rsplit(":", 1)[1], "--connector", s.connector,
@@ -169,7 +179,10 @@ class Cluster:
         """Bounded wait: every process SERVING, then every instance listed by the router."""
         deadline = time.monotonic() + self.spec.startup_timeout_s
         for child in self.children:
-            self._wait_healthy(child, deadline)
+            if child.role == "gateway":
+                self._wait_http(child, deadline)
+            else:
+                self._wait_healthy(child, deadline)
         want = {c.name for c in self.instances}
         with grpc.insecure_channel(self.router_address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
@@ -201,6 +214,18 @@ class Cluster:
                 time.sleep(0.1)
         raise ClusterError(f"{child.name} ({child.address}) was not healthy within "
                            f"{self.spec.startup_timeout_s:.0f}s; last lines of "
+                           f"{child.log_path}:\n{child.tail()}")
+
+    def _wait_http(self, child: Child, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                with urllib.request.urlopen(f"http://{child.address}/health", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise ClusterError(f"{child.name} (http://{child.address}) did not answer /health "
+                           f"within {self.spec.startup_timeout_s:.0f}s; last lines of "
                            f"{child.log_path}:\n{child.tail()}")
 
     def _check_alive(self) -> None:
@@ -237,7 +262,9 @@ class Cluster:
         self.stop()
 
     def describe(self) -> str:
-        lines = [f"router     {self.router_address}"]
+        lines = [f"router     {self.router_address}  (gRPC)"]
+        if self.spec.http_port is not None:
+            lines.insert(0, f"http       http://{self.http_address}/v1  (OpenAI API)")
         lines += [f"{c.name:<10} {c.address}  ({c.role}, {self.spec.connector})"
                   for c in self.instances]
         lines.append(f"logs       {self.log_dir}")
@@ -259,6 +286,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--connector", default="shm", choices=["shm", "tcp", "nixl"])
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the OpenAI-format HTTP API (0 picks a free one; -1: no HTTP)")
+    p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/*")
     p.add_argument("--grpc-port", type=int, default=ClusterSpec.grpc_port,
                    help="the router's port (0 picks a free one)")
     p.add_argument("--disagg-threshold", type=int, default=ClusterSpec.disagg_threshold)
@@ -270,9 +300,13 @@ def add_cli(subparsers) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    spec = ClusterSpec(args.model, args.num_prefill, args.num_decode, args.connector, args.host,
-                       args.grpc_port, args.disagg_threshold, args.kv_cache_memory_bytes,
-                       args.redis_url, args.startup_timeout_s, args.log_dir)
+    spec = ClusterSpec(
+        model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
+        connector=args.connector, host=args.host, grpc_port=args.grpc_port,
+        disagg_threshold=args.disagg_threshold, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
+        log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
+        api_key=args.api_key)
     cluster = Cluster(spec)
     stop = cluster.interrupted
     for sig in (signal.SIGTERM, signal.SIGINT):

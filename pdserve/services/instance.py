@@ -55,7 +55,7 @@ class Instance:
         self.server = GrpcServer(host, port, max_workers=128)  # one thread per open stream
         self.address = self.server.address
         self.connector_kind = connector_kind
-        self.connector = self._make_connector(connector_kind)
+        self.connector = self._make_connector(connector_kind, host)
         # KV events go to Redis when given (shared by every router), else to the router.
         self.index = (create_prefix_index(PrefixIndexConfig("redis", redis_url))
                       if redis_url else None)
@@ -68,10 +68,12 @@ class Instance:
         self.router = router
         self._stop = threading.Event()
 
-    def _make_connector(self, kind: str) -> KVConnector:
+    def _make_connector(self, kind: str, host: str) -> KVConnector:
         if kind == "none":
             return KVConnector()
-        transport = make_transport(kind, self.instance_id)
+        # The tcp transport serves KV on the instance's own host, so peers can dial it.
+        options = {"host": host} if kind == "tcp" else {}
+        transport = make_transport(kind, self.instance_id, **options)
         return TransportConnector(transport, on_loaded=self._release_remote)
 
     def _release_remote(self, handle: KVHandle) -> None:

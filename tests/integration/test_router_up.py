@@ -1,11 +1,13 @@
 """`pdserve up` as a user runs it: ready line, endpoints, a request, and no process left behind."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -42,7 +44,7 @@ def start_up(model_dir, log_dir, *extra):
     return subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--grpc-port", "0",
          "--kv-cache-memory-bytes", str(8 << 20), "--startup-timeout-s", "90",
-         "--log-dir", str(log_dir), *extra],
+         "--log-dir", str(log_dir), "--port", "0", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -71,9 +73,15 @@ def test_up_serves_and_sigterm_leaves_no_process(tiny_model_dir, tmp_path):
     try:
         lines = read_until(proc, "ready", timeout=120)
         endpoints = dict(line.split()[:2] for line in lines[:-1])
-        assert list(endpoints)[:3] == ["router", "prefill-0", "decode-0"]
+        assert list(endpoints)[:4] == ["http", "router", "prefill-0", "decode-0"]
         pids = children(proc.pid)
-        assert len(pids) == 3
+        assert len(pids) == 4
+        body = json.dumps({"model": str(tiny_model_dir), "prompt": "Hello", "max_tokens": 3,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(endpoints["http"] + "/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert json.load(resp)["usage"]["completion_tokens"] == 3
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(endpoints["router"]))
         msgs = list(stub.Generate(router_pb2.GenerateRequest(
             token_ids=router_pb2.TokenIds(ids=list(range(100, 140))),
@@ -93,10 +101,10 @@ def test_children_die_with_a_killed_parent(tiny_model_dir, tmp_path):
     proc = start_up(tiny_model_dir, tmp_path)
     try:
         deadline = time.monotonic() + 30
-        while len(children(proc.pid)) < 3 and time.monotonic() < deadline:
+        while len(children(proc.pid)) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         pids = children(proc.pid)
-        assert len(pids) == 3
+        assert len(pids) == 4
     finally:
         proc.kill()
         proc.wait(10)

@@ -1,0 +1,231 @@
+"""The OpenAI-format HTTP app: routes, errors in OpenAI's shape, and the client-disconnect ->
+abort path (admission is in guards.py). `build_app` serves any Backend."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pdserve
+from pdserve.gateway.backend import Backend, BackendError
+from pdserve.gateway.chat import ChatRun
+from pdserve.gateway.completions import CompletionRun
+from pdserve.gateway.guards import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENCY,
+    Admission,
+    GuardMiddleware,
+)
+from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdserve.gateway.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    param_of,
+)
+from pdserve.gateway.serving import ServingContext
+
+logger = logging.getLogger(__name__)
+CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer
+
+
+class SSEResponse(StreamingResponse):
+    """A stream of SSE events that runs `on_close` however it ends (finished, client gone)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._on_close()
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """`work`'s result, or None (work cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """The JSON body as `model`; 400 naming the field when it does not fit (whatever the
+    Content-Type: clients of OpenAI's API do not all send one)."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from e
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e.errors(), model) from e
+
+
+def _validation_error(errors: list, model: type[BaseModel] | None = None) -> APIError:
+    err = errors[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+    head = msg.split(":", 1)[0]
+    param = loc[0] if loc else (head if model and head in model.model_fields else param_of(msg))
+    return APIError(400, f"{'.'.join(loc)}: {msg}" if loc else msg, param=param)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        return _error_response(_validation_error(e.errors()))
+
+    @app.exception_handler(ValueError)
+    async def value_error(request, e: ValueError):
+        return _error_response(APIError(400, str(e), param=param_of(str(e))))
+
+    @app.exception_handler(BackendError)
+    async def backend_error(request, e: BackendError):
+        return _error_response(APIError(e.status, str(e), e.type, code=e.code))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(e.status_code, str(e.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def internal(request, e: Exception):
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                        "internal_error", code="internal_error"))
+
+
+def build_app(backend: Backend, model_name: str, api_key: str | None = None, *,
+              tokenizer=None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              metrics: GatewayMetrics | None = None, close_backend: bool = True) -> FastAPI:
+    """The OpenAI-format app over `backend`, serving it as `model_name`. The tokenizer (for
+    chat templates and prompt lengths) is loaded from the backend's model when not given;
+    the backend is closed when the app shuts down unless `close_backend` is False."""
+    info = backend.models()[0]
+    if tokenizer is None:
+        from pdserve.models.loader import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(info.root))
+    metrics = metrics or GatewayMetrics(model_name)
+    ctx = ServingContext(backend, tokenizer, model_name, info.max_model_len, metrics)
+    admission = Admission(max_concurrency)
+    served_names = {model_name, info.id, info.root}
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if close_backend:
+            await backend.close()
+
+    app = FastAPI(title="pdserve", version=pdserve.__version__, docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
+    app.state.ctx, app.state.admission = ctx, admission
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+                       metrics=metrics)
+    _install_error_handlers(app)
+
+    async def serve(request: Request, body, run_cls):
+        if body.model is not None and body.model not in served_names:
+            raise APIError(404, f"The model `{body.model}` does not exist.",
+                           "not_found_error", "model", "model_not_found")
+        admission.enter()
+        handed_off = False
+        try:
+            run = run_cls(ctx, body)
+            gen = await until_disconnect(request, run.start())
+            if gen is None:
+                return Response(status_code=CLIENT_CLOSED)
+            if body.stream:
+                async def close():
+                    admission.leave()
+                    await gen.aclose()
+                handed_off = True
+                return SSEResponse(run.stream(gen), close)
+            try:
+                result = await until_disconnect(request, run.respond(gen))
+            finally:
+                await gen.aclose()
+            if result is None:
+                return Response(status_code=CLIENT_CLOSED)
+            return JSONResponse(result)
+        finally:
+            if not handed_off:
+                admission.leave()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, await parse_body(request, CompletionRequest), CompletionRun)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest)
+        return await serve(request, body, ChatRun)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "pdserve",
+            "root": info.root, "parent": None, "max_model_len": info.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not await backend.health():
+            raise APIError(503, "no healthy instance", "service_unavailable_error",
+                           code="service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": pdserve.__version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        try:
+            stats = await backend.stats()
+        except Exception:  # noqa: BLE001 - the gateway's own metrics are still worth serving
+            stats = None
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,90 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, then generated
+like a completion; answered as a chat.completion or as chat.completion.chunk SSE events."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pdserve.gateway.backend import BackendError
+from pdserve.gateway.generation import Generation
+from pdserve.gateway.protocol import ChatCompletionRequest
+from pdserve.gateway.serving import (
+    Choice,
+    ServingContext,
+    chat_logprobs,
+    error_event,
+    sse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ChatRun:
+    """One request: checked and tokenized on construction; `start`, then `respond` or
+    `stream` (the caller closes the Generation)."""
+
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest):
+        self.ctx, self.req = ctx, req
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.prompt_ids = ctx.encode_chat([m.for_template() for m in req.messages],
+                                          req.add_generation_prompt, req.continue_final_message,
+                                          req.chat_template_kwargs)
+        max_tokens = ctx.max_tokens(len(self.prompt_ids), req.requested_max_tokens, "messages")
+        self.params = req.sampling_params(max_tokens)
+        self.k = req.top_logprobs or 0
+
+    async def start(self) -> Generation:
+        return await Generation.start(self.ctx.backend, self.id, [(self.prompt_ids, self.params)],
+                                      self.ctx.metrics)
+
+    def _logprobs(self, positions, token_ids) -> dict | None:
+        if not self.req.logprobs or positions is None:
+            return None
+        return chat_logprobs(self.ctx, positions, token_ids, self.k)
+
+    async def respond(self, gen: Generation) -> dict:
+        choices: dict[int, Choice] = {}
+        async for idx, delta in gen:
+            choices.setdefault(idx, Choice()).add(delta)
+        out = []
+        for idx in range(self.req.n):
+            c = choices.get(idx, Choice())
+            out.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": self._logprobs(c.logprobs, c.token_ids),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": out, "usage": gen.usage.to_dict()}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.ctx.model_name, "choices": choices}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def stream(self, gen: Generation) -> AsyncIterator[str]:
+        try:
+            for idx in range(self.req.n):
+                yield sse(self._chunk([{"index": idx,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]))
+            async for idx, d in gen:
+                logprobs = self._logprobs(d.logprobs, d.token_ids)
+                if not (d.text or d.finish_reason or (logprobs and logprobs["content"])):
+                    continue
+                yield sse(self._chunk([{"index": idx,
+                                        "delta": {"content": d.text} if d.text else {},
+                                        "logprobs": logprobs, "finish_reason": d.finish_reason,
+                                        "stop_reason": d.stop_reason}]))
+            if self.req.include_usage:
+                yield sse(self._chunk([]) | {"usage": gen.usage.to_dict()})
+        except (BackendError, ValueError) as e:
+            yield error_event(e)
+        except Exception as e:  # a bug: still end the stream with an error event
+            logger.exception("stream %s failed", self.id)
+            yield error_event(e)
+        yield sse("[DONE]")

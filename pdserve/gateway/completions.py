@@ -1,0 +1,115 @@
+"""POST /v1/completions: prompts in, text completions out (whole, or as SSE chunks)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pdserve.gateway.backend import BackendError, PositionLogprobs
+from pdserve.gateway.generation import Generation
+from pdserve.gateway.protocol import CompletionRequest, bad_request
+from pdserve.gateway.serving import (
+    Choice,
+    CompletionLogprobs,
+    ServingContext,
+    error_event,
+    sse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _merge(a: dict | None, b: dict) -> dict:
+    return b if a is None else {k: a[k] + b[k] for k in a}
+
+
+class CompletionRun:
+    """One request: checked and tokenized on construction; `start`, then `respond` or
+    `stream` (the caller closes the Generation)."""
+
+    def __init__(self, ctx: ServingContext, req: CompletionRequest):
+        self.ctx, self.req = ctx, req
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        prompts = req.prompts()
+        self.prompt_ids = [ctx.encode(p) if isinstance(p, str) else p for p in prompts]
+        self.prompt_texts = [p if isinstance(p, str) else None for p in prompts]
+        self.requests = [(ids, req.sampling_params(ctx.max_tokens(len(ids), req.max_tokens)))
+                         for ids in self.prompt_ids]
+        if req.echo and req.logprobs is not None and not ctx.backend.supports_prompt_logprobs:
+            raise bad_request("echo: prompt logprobs are not available from this backend",
+                              "echo")
+        self.n = req.n
+        self.prompt_logprobs: dict[int, list[PositionLogprobs]] = {}
+
+    def echo_text(self, p: int) -> str:
+        text = self.prompt_texts[p]
+        return text if text is not None else self.ctx.decode(self.prompt_ids[p])
+
+    def echo_logprobs(self, p: int, fmt: CompletionLogprobs) -> dict:
+        positions = self.prompt_logprobs.get(p) or [None] * len(self.prompt_ids[p])
+        return fmt.format(positions, self.prompt_ids[p])
+
+    def _note(self, idx: int, delta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[idx // self.n] = delta.prompt_logprobs
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": choices}
+
+    async def start(self) -> Generation:
+        return await Generation.start(self.ctx.backend, self.id, self.requests, self.ctx.metrics)
+
+    async def respond(self, gen: Generation) -> dict:
+        choices: dict[int, Choice] = {}
+        async for idx, delta in gen:
+            self._note(idx, delta)
+            choices.setdefault(idx, Choice()).add(delta)
+        out = []
+        for idx in range(len(self.requests) * self.n):
+            c, p = choices.get(idx, Choice()), idx // self.n
+            text, logprobs = c.text, None
+            if self.req.logprobs is not None:
+                fmt = CompletionLogprobs(self.ctx, self.req.logprobs)
+                if self.req.echo:
+                    logprobs = self.echo_logprobs(p, fmt)
+                logprobs = _merge(logprobs, fmt.format(c.logprobs, c.token_ids))
+            if self.req.echo:
+                text = self.echo_text(p) + text
+            out.append({"index": idx, "text": text, "logprobs": logprobs,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        body = self._chunk(out)
+        body["usage"] = gen.usage.to_dict()
+        return body
+
+    async def stream(self, gen: Generation) -> AsyncIterator[str]:
+        fmts: dict[int, CompletionLogprobs] = {}
+        usage_field = {"usage": None} if self.req.include_usage else {}
+        try:
+            async for idx, d in gen:
+                self._note(idx, d)
+                text, logprobs = d.text, None
+                first = idx not in fmts
+                fmt = fmts.setdefault(idx, CompletionLogprobs(self.ctx, self.req.logprobs or 0))
+                if self.req.echo and first:
+                    text = self.echo_text(idx // self.n) + text
+                    if self.req.logprobs is not None:
+                        logprobs = self.echo_logprobs(idx // self.n, fmt)
+                if self.req.logprobs is not None and d.logprobs is not None:
+                    logprobs = _merge(logprobs, fmt.format(d.logprobs, d.token_ids))
+                if not (text or d.finish_reason or (logprobs and logprobs["tokens"])):
+                    continue
+                choice = {"index": idx, "text": text, "logprobs": logprobs,
+                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                yield sse(self._chunk([choice]) | usage_field)
+            if self.req.include_usage:
+                yield sse(self._chunk([]) | {"usage": gen.usage.to_dict()})
+        except (BackendError, ValueError) as e:
+            yield error_event(e)
+        except Exception as e:  # a bug: still end the stream with an error event
+            logger.exception("stream %s failed", self.id)
+            yield error_event(e)
+        yield sse("[DONE]")

@@ -1,0 +1,96 @@
+"""Admission before any work: the API key, the body size, and a bound on requests in flight
+(beyond it: 429 at once, never an unbounded queue)."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi.responses import JSONResponse
+
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.protocol import APIError
+
+DEFAULT_MAX_CONCURRENCY = 64
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+class Admission:
+    """A bound on requests in flight: beyond it requests are refused, not queued."""
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {limit}")
+        self.limit = limit
+        self.in_flight = 0
+
+    def enter(self) -> None:
+        if self.in_flight >= self.limit:
+            raise APIError(429, f"too many requests in flight (limit {self.limit}); retry later",
+                           "rate_limit_error", code="rate_limit_exceeded")
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+
+class GuardMiddleware:
+    """Before routing: the API key (on /v1/*), then the body size (read fully, replayed);
+    counts error statuses."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics):
+        self.app, self.api_key, self.max_body_bytes, self.metrics = (
+            app, api_key, max_body_bytes, metrics)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.rejected(message["status"])
+            await send(message)
+
+        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
+            return await _send_error(counting_send, APIError(
+                401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                "authentication_error", code="invalid_api_key"))
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body = bytearray()
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > self.max_body_bytes:
+                    return await _send_error(counting_send, APIError(
+                        413, f"request body larger than {self.max_body_bytes} bytes",
+                        code="request_too_large"))
+            receive = _replay(bytes(body), receive)
+        await self.app(scope, receive, counting_send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode(), self.api_key.encode())
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+async def _send_error(send, e: APIError) -> None:
+    response = JSONResponse(e.body(), status_code=e.status)
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})

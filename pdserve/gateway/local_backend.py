@@ -1,0 +1,178 @@
+"""LocalBackend: one colocated engine in this process (`pdserve serve`).
+
+The engine steps on its EngineLoop thread. Engine calls (submit, abort, stats) take the loop's
+lock, which a model step holds, so they run on a small thread pool rather than on the event
+loop. Each request's OutputStream is drained by a pump thread that hands outputs to the event
+loop; closing the stream aborts the request and wakes its pump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.engine_loop import EngineLoop, OutputStream
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.gateway.backend import (
+    Backend,
+    BackendError,
+    BackendStats,
+    Delta,
+    DeltaStream,
+    ModelInfo,
+    TokenLogprob,
+    Usage,
+)
+from pdserve.outputs import Logprob, RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+
+class _Closed(Exception):
+    """Put into an OutputStream to wake its pump thread after an abort."""
+
+
+class LocalBackend(Backend):
+    supports_prompt_logprobs = True
+
+    def __init__(self, engine: LLMEngine, model: str | None = None):
+        self.engine = engine
+        self.model = model or engine.config.model.model
+        self.loop = EngineLoop(engine).start()
+        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-call")
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LocalBackend:
+        return cls(LLMEngine.from_engine_args(engine_args), engine_args.model)
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> DeltaStream:
+        engine_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+        submitted = asyncio.get_running_loop().run_in_executor(
+            self._calls, self.loop.submit, request_id, engine_prompt, params)
+        try:
+            stream = await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            # The caller left while the submit was queued behind a step: abort once it lands.
+            submitted.add_done_callback(
+                lambda f: f.cancelled() or f.exception() or self._abort_soon(request_id))
+            raise
+        return _LocalStream(self, stream)
+
+    def _abort_soon(self, request_id: str) -> None:
+        try:
+            self._calls.submit(self.loop.abort, request_id)
+        except RuntimeError:  # closed: the loop is stopped, nothing runs any more
+            pass
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(self.loop.abort, request_id)
+
+    async def health(self) -> bool:
+        # NOTE: EngineLoop has no public liveness flag; its thread ends only when the engine
+        # failed or the loop was stopped.
+        return self.loop._thread.is_alive()
+
+    def models(self) -> list[ModelInfo]:
+        cfg = self.engine.config.model
+        return [ModelInfo(self.model, cfg.resolved.path, cfg.max_model_len)]
+
+    async def stats(self) -> BackendStats:
+        s = await self._call(self.loop.stats)
+        return BackendStats(
+            running_requests=s.running_requests, waiting_requests=s.waiting_requests,
+            free_blocks=s.free_blocks, total_blocks=s.total_blocks,
+            prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
+            kv_transfer_bytes=getattr(s, "kv_bytes_received", None),
+            kv_transfer_seconds=getattr(s, "kv_transfer_seconds", None),
+            instances={"colocated": 1})
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+        self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+class _LocalStream(DeltaStream):
+    def __init__(self, backend: LocalBackend, stream: OutputStream):
+        self._backend = backend
+        self._stream = stream
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: deque[Delta] = deque()
+        self._finished = False
+        self._first = True
+        self._completion_tokens = 0
+        threading.Thread(target=self._pump, args=(asyncio.get_running_loop(),), daemon=True,
+                         name=f"pump-{stream.request_id}").start()
+
+    def _pump(self, aloop: asyncio.AbstractEventLoop) -> None:
+        """Thread: forward outputs to the event loop until the last one, an error or close."""
+        while True:
+            try:
+                item: RequestOutput | BaseException = self._stream.get()
+            except BaseException as e:  # noqa: BLE001 - the engine's error, or _Closed
+                item = e
+            try:
+                aloop.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                return
+            if isinstance(item, BaseException) or item.finished:
+                return
+
+    async def __anext__(self) -> Delta:
+        while not self._pending:
+            if self._finished:
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._finished = True
+                if isinstance(item, _Closed):
+                    raise StopAsyncIteration
+                raise BackendError(str(item))
+            if item.error:
+                self._finished = True
+                raise BackendError(f"request {item.request_id} failed: {item.error}")
+            self._pending.extend(self._deltas(item))
+            self._finished = item.finished
+        return self._pending.popleft()
+
+    def _deltas(self, out: RequestOutput) -> list[Delta]:
+        deltas = []
+        for c in out.outputs:
+            self._completion_tokens += len(c.token_ids)
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = [_position(e, t) for e, t in zip(c.logprobs, c.token_ids)]
+            deltas.append(Delta(c.index, list(c.token_ids), c.text, logprobs, c.finish_reason,
+                                c.stop_reason))
+        if not deltas:
+            deltas.append(Delta(0, [], ""))
+        if self._first:
+            prompt = list(out.prompt_token_ids or [])
+            deltas[0].prompt_token_ids = prompt
+            if out.prompt_logprobs is not None:
+                deltas[0].prompt_logprobs = [_position(e, t)
+                                             for e, t in zip(out.prompt_logprobs, prompt)]
+            self._first = False
+        if out.finished:
+            deltas[-1].usage = Usage(len(out.prompt_token_ids or []), self._completion_tokens,
+                                     out.num_cached_tokens or 0)
+        return deltas
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._backend._abort_soon(self._stream.request_id)
+            self._stream.put(_Closed())
+
+
+def _position(entry: dict[int, Logprob] | None, sampled: int) -> list[TokenLogprob] | None:
+    if not entry:
+        return None
+    order = [sampled] + [t for t in entry if t != sampled]
+    return [TokenLogprob(t, entry[t].logprob, entry[t].rank, entry[t].decoded_token or "")
+            for t in order if t in entry]

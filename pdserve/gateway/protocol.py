@@ -1,0 +1,192 @@
+"""OpenAI request bodies (with vLLM's extra sampling fields) and their SamplingParams.
+
+Types are checked by pydantic; values by SamplingParams, whose ValueErrors name the field.
+Unknown fields are ignored, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pdserve.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
+        optional = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
+                                      ("top_k", self.top_k), ("min_p", self.min_p),
+                                      ("repetition_penalty", self.repetition_penalty))
+                    if v is not None}
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
+                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                stop_token_ids=self.stop_token_ids,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, **optional)
+        except ValueError as e:
+            raise bad_request(str(e), param_of(str(e))) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise bad_request("prompt: must not be empty", "prompt")
+        return prompts
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.suffix is not None:
+            raise bad_request("suffix: not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of: only best_of == n is supported, got {self.best_of}",
+                              "best_of")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.tools:
+            raise bad_request("tools: tool calling is not supported", "tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, logprobs)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return (self.max_completion_tokens if self.max_completion_tokens is not None
+                else self.max_tokens)
+
+
+_PARAM_ALIASES = {"max_tokens", "min_tokens", "n", "temperature", "top_p", "top_k", "min_p",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+                  "stop_token_ids", "logprobs", "prompt_logprobs", "logit_bias",
+                  "allowed_token_ids", "bad_words", "prompt", "prompt_token_ids"}
+
+
+def param_of(message: str) -> str | None:
+    """The request field a SamplingParams / engine error message starts with, if any."""
+    head = message.replace(":", " ").split(" ", 1)[0]
+    if head == "prompt_token_ids":
+        return "prompt"
+    return head if head in _PARAM_ALIASES else None

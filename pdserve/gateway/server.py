@@ -1,0 +1,112 @@
+"""`pdserve serve`: one colocated engine behind the OpenAI-format HTTP API, until SIGTERM or
+Ctrl-C.
+
+    pdserve serve --model SmolLM2-135M-Instruct --port 8000 [--api-key K] [--max-concurrency N]
+    pdserve serve --model M --router 127.0.0.1:50051      # only the HTTP front of a cluster
+
+Also `python -m pdserve.gateway.server [flags]`. `add_gateway_args` and `serve_http` are
+shared with `pdserve up`, which puts the same app in front of a router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
+
+DEFAULT_PORT = 8000
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP front's flags (not the engine's)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (off by default)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients use in 'model' (default: --model)")
+    parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
+                        help="requests in flight beyond which new ones get HTTP 429")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get HTTP 413")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (so the real port is known, and early clients wait in the backlog)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_http(app, host: str, port: int, log_level: str = "info") -> int:
+    """Serve `app` until SIGTERM/SIGINT (uvicorn handles both, then runs app shutdown)."""
+    import uvicorn
+
+    sock = bind(host, port)
+    bound = sock.getsockname()[1]
+    print(f"pdserve gateway listening on http://{host}:{bound}", flush=True)
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    # uvicorn stops gracefully on SIGTERM/SIGINT, then re-sends the signal to the handler it
+    # found: make that a no-op, so a requested stop exits 0 like the other pdserve servers.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pdserve.gateway.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.router:
+        from pdserve.gateway.router_backend import RouterBackend
+
+        backend = RouterBackend(args.router, args.model, args.max_model_len)
+    else:
+        from pdserve.gateway.local_backend import LocalBackend
+
+        backend = LocalBackend.from_engine_args(EngineArgs.from_cli_args(args))
+    app = build_app(backend, args.served_model_name or args.model, args.api_key,
+                    max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes)
+    return serve_http(app, args.host, args.port, args.log_level)
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve one colocated engine behind the "
+                                            "OpenAI-format HTTP API")
+    add_gateway_args(p)
+    p.add_argument("--router", default=None, metavar="ADDR",
+                   help="no local engine: serve a cluster's router at ADDR (host:port); "
+                        "engine flags other than --model and --max-model-len are then unused")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdserve.gateway.server ...`: the same as `pdserve serve ...`."""
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""What the completion and chat handlers share: prompt tokenization, the context budget, SSE
+framing, per-choice accumulation, and OpenAI's two logprobs formats."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.gateway.backend import Backend, Delta, PositionLogprobs, TokenLogprob
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.protocol import APIError, bad_request
+
+MIN_LOGPROB = -9999.0  # -inf is not JSON
+
+
+@dataclass
+class ServingContext:
+    backend: Backend
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    metrics: GatewayMetrics
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a text prompt, as the engine's input processor makes them."""
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    kwargs: dict | None = None) -> list[int]:
+        """The conversation rendered with the model's chat template, as `LLM.chat` does."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as e:  # jinja raises many kinds
+            raise bad_request(f"messages: the chat template failed: {e}", "messages") from e
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def max_tokens(self, prompt_len: int, requested: int | None, what: str = "prompt") -> int:
+        """`requested`, checked against the room left in the context; the room if None."""
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise bad_request(
+                f"{what}: {prompt_len} tokens leave no room to generate within this model's "
+                f"maximum context length of {self.max_model_len} tokens", what)
+        if requested is None:
+            return room
+        if isinstance(requested, int) and requested > room:
+            raise bad_request(
+                f"max_tokens: this model's maximum context length is {self.max_model_len} "
+                f"tokens; you requested {prompt_len + requested} tokens ({prompt_len} in the "
+                f"{what}, {requested} in the completion)", "max_tokens")
+        return requested
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                                   separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def error_event(e: Exception) -> str:
+    """An SSE event in OpenAI's error shape, for a failure after the stream started."""
+    if isinstance(e, ValueError):
+        err = APIError(400, str(e))
+    else:
+        err = APIError(getattr(e, "status", 500), str(e), getattr(e, "type", "internal_error"),
+                       code=getattr(e, "code", "internal_error"))
+    return sse(err.body())
+
+
+@dataclass
+class Choice:
+    """A completion accumulated from its deltas (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            self.logprobs.extend(d.logprobs)
+        if d.finish_reason:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _ranked(pos: list[TokenLogprob], k: int) -> list[TokenLogprob]:
+    """The top-k entries of a position by rank (the sampled one only if it ranks)."""
+    ranked = sorted((e for e in pos if e.rank is not None), key=lambda e: e.rank)
+    return ranked[:k]
+
+
+class CompletionLogprobs:
+    """Legacy completions format: tokens, token_logprobs, top_logprobs, text_offset.
+    `top_logprobs` holds the k most likely tokens plus the sampled one, as OpenAI's did."""
+
+    def __init__(self, ctx: ServingContext, k: int, offset: int = 0):
+        self.ctx, self.k, self.offset = ctx, k, offset
+
+    def format(self, positions: list[PositionLogprobs], token_ids: list[int]) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        for pos, tid in zip(positions, token_ids):
+            if pos:
+                text = pos[0].text
+                top = {e.text: _lp(e.logprob) for e in _ranked(pos, self.k)}
+                top.setdefault(text, _lp(pos[0].logprob))
+                out["token_logprobs"].append(_lp(pos[0].logprob))
+                out["top_logprobs"].append(top)
+            else:
+                text = self.ctx.decode([tid])
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def chat_logprobs(ctx: ServingContext, positions: list[PositionLogprobs],
+                  token_ids: list[int], k: int) -> dict:
+    """Chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    def entry(text: str, logprob: float | None) -> dict:
+        return {"token": text, "logprob": MIN_LOGPROB if logprob is None else _lp(logprob),
+                "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for pos, tid in zip(positions, token_ids):
+        if pos:
+            item = entry(pos[0].text, pos[0].logprob)
+            item["top_logprobs"] = [entry(e.text, e.logprob) for e in _ranked(pos, k)]
+        else:
+            item = entry(ctx.decode([tid]), None)
+            item["top_logprobs"] = []
+        content.append(item)
+    return {"content": content}

@@ -1,0 +1,142 @@
+"""The gateway in front of a real 1P1D cluster (router + prefill + decode processes, shm
+connector): `pdserve serve --router ADDR`, driven with the openai client and httpx."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+from test_gateway_openai import GatewayProcess
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster, ClusterSpec, free_port
+from pdserve.gateway.app import build_app
+from pdserve.gateway.router_backend import RouterBackend
+
+KV_BYTES = 8 << 20
+THRESHOLD = 16  # prompts of 16+ uncached tokens are prefilled on the prefill instance
+WAIT_S = 15
+LONG_PROMPT = "In a distant land there was a quiet village where every morning the bakers " \
+              "woke before dawn to light their ovens and"
+
+
+def cli_has(command: str) -> bool:
+    from pdserve.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    return command in sub.choices
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    if not cli_has("router"):
+        pytest.skip("`pdserve router` is not registered in pdserve.cli yet (Cluster runs it)")
+    spec = ClusterSpec(model=str(tiny_model_dir), connector="shm", grpc_port=0,
+                       disagg_threshold=THRESHOLD, kv_cache_memory_bytes=KV_BYTES,
+                       startup_timeout_s=90)
+    with Cluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, tiny_model_dir):
+    gw = GatewayProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny",
+                        "--router", cluster.router_address)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), kv_cache_memory_bytes=KV_BYTES)
+
+
+def samples(url: str) -> dict:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, s.labels.get("outcome", "")): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_greedy_matches_colocated(client, llm, gateway):
+    tok = llm.get_tokenizer()
+    assert len(tok.encode(LONG_PROMPT)) >= THRESHOLD
+    for prompt in (LONG_PROMPT, "Hi there"):  # disaggregated, then decode-only
+        want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10),
+                            use_tqdm=False)[0].outputs[0].text
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
+                                        temperature=0)
+        assert got.choices[0].text == want
+        assert got.usage.completion_tokens == 10
+    m = samples(gateway.url)
+    assert m[("pdserve:router_decisions_total", "disaggregated")] >= 1
+    assert m[("pdserve:router_decisions_total", "decode_only")] >= 1
+
+
+def test_chat_stream_equals_whole_with_logprobs(client):
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": LONG_PROMPT}],
+              "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert "".join(t.token for t in whole.logprobs.content) == whole.message.content
+    assert all(len(t.top_logprobs) == 2 for t in whole.logprobs.content)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        whole.message.content
+    assert [t.token for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content] == [t.token for t in whole.logprobs.content]
+
+
+def test_n_and_seed(client):
+    kw = {"model": "tiny", "prompt": LONG_PROMPT + " then", "max_tokens": 6, "n": 2,
+          "temperature": 1.0, "seed": 11}
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 12
+
+
+def test_bad_token_id_is_400(gateway):
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": [1, 10**7], "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt"
+
+
+def test_disconnect_frees_blocks_on_every_instance(gateway):
+    body = {"prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=gateway.url, timeout=30) as c, \
+            c.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()  # NOTE: dropping it closes the connection
+        for _ in range(6):
+            next(lines)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        m = samples(gateway.url)
+        free, total = (m[("pdserve:kv_cache_free_blocks", "")],
+                       m[("pdserve:kv_cache_total_blocks", "")])
+        if free == total and m[("pdserve:num_requests_running", "")] == 0:
+            break
+        assert time.monotonic() < deadline, f"blocks still held after {WAIT_S}s: {m}"
+        time.sleep(0.2)
+
+
+def test_router_unreachable_is_503(tiny_model_dir):
+    backend = RouterBackend(f"127.0.0.1:{free_port('127.0.0.1')}", str(tiny_model_dir))
+    with TestClient(build_app(backend, "tiny")) as c:
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "service_unavailable"
+        assert c.get("/metrics").status_code == 200
