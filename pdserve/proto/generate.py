@@ -7,6 +7,7 @@ Stubs import each other as `pdserve.proto.pdserve.v1.*_pb2`.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,14 +18,16 @@ DEFAULT_OUT = Path(__file__).resolve().parent
 
 def generate(out_dir: Path = DEFAULT_OUT) -> list[Path]:
     """Run grpc_tools.protoc over every .proto file; returns the files written."""
-    from grpc_tools import protoc
-
     sources = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.glob("pdserve/v1/*.proto"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *sources]
-    if protoc.main(args) != 0:
-        raise RuntimeError("protoc failed")
+    # NOTE: protoc runs in its own process: its extension module can crash a process that
+    # has already loaded torch and grpc.
+    args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_DIR}",
+            f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
+            *sources]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed: {done.stderr}")
     for pkg in (out_dir / "pdserve", out_dir / "pdserve" / "v1"):
         (pkg / "__init__.py").touch()
     _qualify_imports(out_dir)
