@@ -335,10 +335,9 @@ def run_up(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdserve.cluster ...`: the same as `pdserve up ...`."""
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["up", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    from pdserve.cli import main as cli_main
+
+    return cli_main(["up", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

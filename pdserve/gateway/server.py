@@ -98,14 +98,9 @@ def add_cli(subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdserve.gateway.server ...`: the same as `pdserve serve ...`."""
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from pdserve.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -156,14 +156,9 @@ def run_router(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdserve.router.server ...`: the same as `pdserve router ...`."""
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["router", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from pdserve.cli import main as cli_main
+
+    return cli_main(["router", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -15,32 +15,13 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import make_transport
 from pdserve.kv_transfer.connector import KVConnector, KVHandle, TransportConnector
-from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
+from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2_grpc
+from pdserve.router.channels import ChannelPool
 from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
 from pdserve.services.grpc_server import GrpcServer, load_message
 from pdserve.services.kv_event_publisher import KVEventPublisher, RouterSink
 
 logger = logging.getLogger(__name__)
-
-
-class Channels:
-    """gRPC channels cached by address."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
-
-    def get(self, address: str) -> grpc.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address)
-            return self._channels[address]
-
-    def close(self) -> None:
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
 
 
 class Instance:
@@ -51,7 +32,7 @@ class Instance:
                  router: str | None = None, redis_url: str | None = None):
         self.role = role
         self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
-        self.channels = Channels()
+        self.channels = ChannelPool()
         self.server = GrpcServer(host, port, max_workers=128)  # one thread per open stream
         self.address = self.server.address
         self.connector_kind = connector_kind
@@ -82,8 +63,7 @@ class Instance:
         if not handle.release_address:
             return
         try:
-            stub = engine_pb2_grpc.PrefillStub(self.channels.get(handle.release_address))
-            stub.Release(engine_pb2.ReleaseRequest(request_id=handle.request_id), timeout=2)
+            self.channels.prefill(handle.release_address).Release(engine_pb2.ReleaseRequest(request_id=handle.request_id), timeout=2)
         except grpc.RpcError as e:
             logger.warning("release of %s at %s failed: %s", handle.request_id,
                            handle.release_address, e.code())

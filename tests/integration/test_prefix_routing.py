@@ -4,7 +4,6 @@ import itertools
 import time
 
 import grpc
-import pytest
 from cluster_procs import wait_for
 from redis_fixture import RedisServer, _find_or_install_redis_server
 
