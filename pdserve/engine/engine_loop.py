@@ -61,6 +61,7 @@ class EngineStats:
     kv_bytes_received: int
     kv_transfer_seconds: float
     kv_loads_failed: int
+    cached_blocks: int
 
 
 class EngineLoop:
@@ -136,7 +137,7 @@ class EngineLoop:
                 prefix_queries=pool.num_queries, prefix_hits=pool.num_hits,
                 kv_bytes_received=sum(r.num_bytes for r in loads),
                 kv_transfer_seconds=sum(r.seconds for r in loads),
-                kv_loads_failed=sum(not r.ok for r in loads))
+                kv_loads_failed=sum(not r.ok for r in loads), cached_blocks=len(pool.cached))
 
     def _run(self) -> None:
         while not self._stopped.is_set():

@@ -121,6 +121,7 @@ class BackendStats:
     prefix_hits: int | None = None
     kv_transfer_bytes: int | None = None
     kv_transfer_seconds: float | None = None
+    prefix_index_errors: int | None = None
     instances: dict[str, int] = field(default_factory=dict)  # role -> live instances
 
     @property

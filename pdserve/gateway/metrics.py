@@ -105,6 +105,8 @@ class BackendCollector:
              s.kv_transfer_bytes),
             ("kv_transfer_seconds", "Seconds spent pulling KV from prefill instances.",
              s.kv_transfer_seconds),
+            ("prefix_index_errors", "Prefix-index backend failures (routing fell back to load).",
+             s.prefix_index_errors),
         ]
         for name, doc, value in counters:
             if value is not None:

@@ -87,13 +87,15 @@ class RouterBackend(Backend):
         if call is not None:
             call.cancel()
 
-    async def _list(self) -> list[common_pb2.Load]:
+    async def _list_response(self) -> router_pb2.ListInstancesResponse:
         try:
-            resp = await self.stub.ListInstances(router_pb2.ListInstancesRequest(),
+            return await self.stub.ListInstances(router_pb2.ListInstancesRequest(),
                                                  timeout=CONTROL_TIMEOUT_S)
         except grpc.RpcError as e:
             raise BackendUnavailable(f"router at {self.address}: {e.code().name}") from e
-        return list(resp.instances)
+
+    async def _list(self) -> list[common_pb2.Load]:
+        return list((await self._list_response()).instances)
 
     async def health(self) -> bool:
         try:
@@ -106,7 +108,8 @@ class RouterBackend(Backend):
         return [ModelInfo(self.model, self.model, self.max_model_len)]
 
     async def stats(self) -> BackendStats:
-        loads = await self._list()
+        listed = await self._list_response()
+        loads = list(listed.instances)
         roles: dict[str, int] = {}
         for load in loads:
             roles[load.role] = roles.get(load.role, 0) + 1
@@ -119,7 +122,7 @@ class RouterBackend(Backend):
             prefix_hits=_sum(loads, "prefix_hits"),
             kv_transfer_bytes=_sum(loads, "kv_bytes_received"),
             kv_transfer_seconds=_sum(loads, "kv_transfer_seconds"),
-            instances=roles)
+            prefix_index_errors=listed.prefix_index_errors, instances=roles)
 
     async def close(self) -> None:
         for call in list(self._calls.values()):

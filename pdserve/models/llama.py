@@ -66,15 +66,20 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, d/2) each: looked up once per step, shared by every layer."""
+        return (self.cos.index_select(0, positions)[:, None, :],
+                self.sin.index_select(0, positions)[:, None, :])
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, d) -> rotated, same dtype."""
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions][:, None, :]  # (T, 1, d/2)
-        sin = self.sin[positions][:, None, :]
-        out = []
-        for x in xs:  # (T, heads, d)
-            x1, x2 = x.float().chunk(2, dim=-1)
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            out.append(rotated.to(x.dtype))
-        return out
+        cos, sin = self.cos_sin(positions)
+        return [self.rotate(x, cos, sin) for x in xs]
 
 
 class Attention(nn.Module):
@@ -90,14 +95,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # (T, h, d)
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (T, (h + 2 kvh) d)
+        # q and k are adjacent columns: rotate them as one (T, h + kvh, d) tensor.
+        qk = Rotary.rotate(qkv[:, :self.q_size + self.kv_size].view(T, h + kvh, d), *cos_sin)
+        q, k = qk[:, :h], qk[:, h:]  # (T, h, d), (T, kvh, d)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, kvh, d)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -121,8 +127,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -143,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,); kv_cache: (layers, 2, blocks, block_size, kvh, d)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        cos_sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_cache[i], meta)
+            x = layer(x, cos_sin, kv_cache[i], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def ListInstances(self, request, context):
         """Instances the router would route to now."""
-        return router_pb2.ListInstancesResponse(
-            instances=[i.to_load() for i in self.core.registry.live()])
+        loads = [i.to_load() for i in self.core.registry.live()]
+        for load in loads:
+            load.indexed_blocks = self.index.num_blocks(load.instance_id)
+        return router_pb2.ListInstancesResponse(instances=loads,
+                                                prefix_index_errors=self.index.errors)
 
     def PublishKVEvents(self, request, context):
         try:

@@ -68,4 +68,5 @@ def load_message(instance_id: str, role: str, address: str, stats, connector: st
         total_blocks=stats.total_blocks, leased_requests=stats.leased_requests,
         connector=connector, block_size=block_size, prefix_queries=stats.prefix_queries,
         prefix_hits=stats.prefix_hits, kv_bytes_received=stats.kv_bytes_received,
-        kv_transfer_seconds=stats.kv_transfer_seconds, kv_loads_failed=stats.kv_loads_failed)
+        kv_transfer_seconds=stats.kv_transfer_seconds, kv_loads_failed=stats.kv_loads_failed,
+        cached_blocks=stats.cached_blocks)

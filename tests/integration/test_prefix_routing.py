@@ -31,9 +31,13 @@ def generate(stub, ids):
         last.served_by.prefill_attempts
 
 
-def start(model_dir, logs, redis_url=None):
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model's KV per block (2 layers, 2 kv heads)
+
+
+def start(model_dir, logs, redis_url=None, num_blocks=1024):
     spec = ClusterSpec(model=str(model_dir), num_prefill=2, num_decode=1, grpc_port=0,
-                       disagg_threshold=0, kv_cache_memory_bytes=8 << 20, redis_url=redis_url,
+                       disagg_threshold=0, kv_cache_memory_bytes=num_blocks * BLOCK_BYTES,
+                       redis_url=redis_url,
                        startup_timeout_s=120, log_dir=str(logs))
     cluster = Cluster(spec).start()
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
@@ -48,8 +52,17 @@ def lands_on_holder(stub, prefix: int) -> tuple[bool, str]:
     return second == first and cached >= PREFIX_TOKENS, first
 
 
+def prefill_loads(stub):
+    listed = stub.ListInstances(router_pb2.ListInstancesRequest(), timeout=5)
+    return [i for i in listed.instances if i.role == "prefill"]
+
+
+def index_matches_engines(stub) -> bool:
+    return all(i.indexed_blocks == i.cached_blocks for i in prefill_loads(stub))
+
+
 def test_memory_index_routes_to_prefix_holder_and_skips_dead(tiny_model_dir, tmp_path):
-    cluster, stub = start(tiny_model_dir, tmp_path)
+    cluster, stub = start(tiny_model_dir, tmp_path, num_blocks=24)
     try:
         holders = set()
         for prefix in range(4):
@@ -57,6 +70,12 @@ def test_memory_index_routes_to_prefix_holder_and_skips_dead(tiny_model_dir, tmp
             assert ok, f"prefix {prefix} did not follow its cache"
             holders.add(holder)
         assert len(holders) == 2, "load spreads new prefixes over both instances"
+        # Overfill both 24-block caches: evictions must leave the index equal to the engines.
+        for other in range(100, 110):
+            generate(stub, prompt(other, 0))
+        assert wait_for(lambda: index_matches_engines(stub), timeout=10)
+        assert all(0 < i.cached_blocks <= 24 for i in prefill_loads(stub))
+        assert sum(i.cached_blocks for i in prefill_loads(stub)) < 4 * 7 + 10 * 6  # evicted
         # Kill the holder of prefix 0: after its heartbeats lapse it gets no traffic.
         _, holder, _, _ = generate(stub, prompt(0, 3))
         cluster.child(holder).proc.kill()  # instance ids are the children's names
@@ -78,6 +97,8 @@ def test_redis_index_survives_an_outage(tiny_model_dir, tmp_path):
         for suffix in range(3):  # routing by load alone: still served
             tokens, _, _, _ = generate(stub, prompt(11, suffix))
             assert len(tokens) == 4
+        errors = stub.ListInstances(router_pb2.ListInstancesRequest(), timeout=5)
+        assert errors.prefix_index_errors > 0  # the outage shows in the metric
         redis.start()  # empty: instances resync their state into it
         fresh = itertools.count(12)  # a new prefix each try
         assert wait_for(lambda: lands_on_holder(stub, next(fresh))[0], timeout=30, interval=1)

@@ -36,10 +36,12 @@ class ListInstancesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListInstancesResponse(_message.Message):
-    __slots__ = ("instances",)
+    __slots__ = ("instances", "prefix_index_errors")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_INDEX_ERRORS_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[_common_pb2.Load]
-    def __init__(self, instances: _Optional[_Iterable[_Union[_common_pb2.Load, _Mapping]]] = ...) -> None: ...
+    prefix_index_errors: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[_common_pb2.Load, _Mapping]]] = ..., prefix_index_errors: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_hash", "num_tokens")
