@@ -283,7 +283,7 @@ def start_vllm(args, logs: Path):
     port = free_port()
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args.dtype, "--max-model-len", "2048", "--disable-log-requests"]
+           "--dtype", args.dtype, "--max-model-len", "2048"]
     proc = Proc(cmd, logs / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": "2"})
     url = f"http://127.0.0.1:{port}"
     try:
