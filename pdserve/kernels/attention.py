@@ -48,12 +48,12 @@ class AttentionMetadata:
     def num_decodes(self) -> int:
         return int(self.decode_token_idx.numel())
 
-    def decode_plan(self, q: torch.Tensor, k_cache: torch.Tensor
+    def decode_plan(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                     ) -> tuple[SparseDecodePlan | DecodePlan, torch.Tensor]:
         """The decode plan and the batch positions of its rows (in plan order); made by the
         first layer, as every layer has the same shapes."""
         if self._decode_plan is None:
-            self._decode_plan = _make_plan(q, k_cache, self.decode_block_tables,
+            self._decode_plan = _make_plan(q, k_cache, v_cache, self.decode_block_tables,
                                            self.decode_seq_lens)
             self._decode_rows = self.decode_token_idx.index_select(0, self._decode_plan.order)
         return self._decode_plan, self._decode_rows
@@ -92,10 +92,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 _DENSE_CHUNK_TOKENS = 8192  # padded context tokens per dense chunk
 _MAX_PADDING = 1.25  # at most this many (padded) tokens per real one in a group
 
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 
-
-def _group_by_length(lens: list[int], max_tokens: int | None) -> tuple[list[int], list[tuple[int, int]]]:
+def _group_by_length(lens: list[int], max_tokens: int | None
+                     ) -> tuple[list[int], list[tuple[int, int]]]:
     """Rows sorted by length, and [start, end) bounds of groups of similar lengths."""
     order = sorted(range(len(lens)), key=lens.__getitem__)
     bounds, start, real = [], 0, 0
@@ -156,9 +155,11 @@ def plan_sparse_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block
         first += n * num_heads * length
     crow = torch.zeros(len(lens) * num_heads + 1, dtype=torch.int32)
     torch.cumsum(torch.cat(row_lens), 0, out=crow[1:])
-    pattern = torch.sparse_csr_tensor(
-        crow.to(device), torch.cat(cols).to(torch.int32), torch.cat(inits),
-        size=(len(lens) * num_heads, num_cache_rows), check_invariants=False)
+    with warnings.catch_warnings():  # "CSR support is in beta", once per process
+        warnings.simplefilter("ignore", UserWarning)
+        pattern = torch.sparse_csr_tensor(
+            crow.to(device), torch.cat(cols).to(torch.int32), torch.cat(inits),
+            size=(len(lens) * num_heads, num_cache_rows), check_invariants=False)
     return SparseDecodePlan(order, pattern, groups)
 
 
@@ -180,9 +181,9 @@ def _sparse_decode(q_sorted: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return (p @ v_cache.view(-1, d)).view(B, h, d)
 
 
-def _use_sparse(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def _use_sparse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and k_cache.is_contiguous())
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 @dataclass
@@ -260,10 +261,11 @@ def _dense_decode(q_sorted: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-def _make_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor) -> SparseDecodePlan | DecodePlan:
+def _make_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor
+               ) -> SparseDecodePlan | DecodePlan:
     block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    if _use_sparse(q, k_cache):
+    if _use_sparse(q, k_cache, v_cache):
         return plan_sparse_decode(block_tables, seq_lens, block_size, q.shape[1], kvh,
                                   k_cache.numel() // d)
     return plan_decode(block_tables, seq_lens, block_size)
@@ -280,7 +282,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One query per sequence. q: (B, h, d) -> (B, h, d)."""
-    plan = _make_plan(q, k_cache, block_tables, seq_lens)
+    plan = _make_plan(q, k_cache, v_cache, block_tables, seq_lens)
     out_sorted = _decode(q.index_select(0, plan.order), k_cache, v_cache, plan, scale)
     return torch.empty_like(q).index_copy_(0, plan.order, out_sorted)
 
@@ -316,7 +318,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Write this step's K/V into the cache and attend. q: (T, h, d), k/v: (T, kvh, d)."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.num_decodes:
-        plan, rows = meta.decode_plan(q, k_cache)
+        plan, rows = meta.decode_plan(q, k_cache, v_cache)
         decoded = _decode(q.index_select(0, rows), k_cache, v_cache, plan, scale)
         if not meta.prefills:
             return torch.empty_like(q).index_copy_(0, rows, decoded)
