@@ -85,6 +85,9 @@ def mixed_workload(corpus: list[int], args, rng: random.Random):
 # --------------------------------------------------------------------------- pdserve
 
 def run_pdserve(llm: LLM, reqs) -> dict:
+    # Start from an empty prefix cache: a repeated run must not hit the blocks of the last one.
+    if not llm.llm_engine.block_pool.reset_prefix_cache():
+        raise RuntimeError("pdserve: blocks still in use, cannot reset the prefix cache")
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     t0, c0 = time.perf_counter(), time.process_time()
@@ -92,12 +95,13 @@ def run_pdserve(llm: LLM, reqs) -> dict:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     got = [len(o.outputs[0].token_ids) for o in outs]
     assert got == [o for _, o in reqs], "pdserve did not generate the requested lengths"
+    cached = sum(o.num_cached_tokens for o in outs)
+    assert cached == 0, f"pdserve: {cached} prompt tokens hit the prefix cache"
     useful = sum(got)
     return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "useful_tokens": useful,
             "tokens_per_s": round(useful / wall, 2),
             "tokens_per_cpu_s": round(useful / cpu, 2),
-            "prompt_tokens": sum(len(ids) for ids, _ in reqs),
-            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs)}
+            "prompt_tokens": sum(len(ids) for ids, _ in reqs)}
 
 
 def ttft_once(engine, rid: str, ids: list[int]) -> tuple[float, int]:
