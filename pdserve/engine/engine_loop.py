@@ -2,13 +2,16 @@
 
 Callers on other threads `submit` requests and read their outputs from an `OutputStream`;
 the loop steps the engine while there is work, and ticks while idle so that expired KV leases
-are still freed. Every engine call happens under one lock.
+are still freed. Callers' engine calls are queued and run by the loop between two steps, so a
+new request waits at most one step: a lock taken by both sides would let the stepping thread,
+which drops it only for an instant between steps, take it again step after step.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pdserve.engine.llm_engine import LLMEngine
@@ -70,7 +73,8 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.05):
         self.engine = engine
         self.idle_tick_s = idle_tick_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by whoever touches the engine
+        self._calls: queue.SimpleQueue[tuple[Future, object, tuple]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, OutputStream] = {}
         self._stopped = threading.Event()
@@ -92,56 +96,86 @@ class EngineLoop:
         params = params.clone()
         params.output_kind = output_kind
         stream = OutputStream(self, request_id)
-        with self._lock:
+
+        def add() -> None:
+            if self._stopped.is_set():
+                raise RuntimeError("engine loop is not running")
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self.engine.add_request(request_id, prompt, params, priority=priority,
                                     kv_transfer_params=kv_transfer_params)
             self._streams[request_id] = stream
-        self._wake.set()
+
+        self.call(add)
         return stream
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it was not running here."""
-        with self._lock:
+        def abort() -> bool:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 self.engine.abort_request(request_id)
-        return stream is not None
+            return stream is not None
+
+        return self.call(abort)
 
     def release_kv(self, request_id: str) -> bool:
-        with self._lock:
-            return self.engine.release_kv(request_id)
+        return self.call(self.engine.release_kv, request_id)
 
     def take_kv_events(self) -> list:
         """Prefix-cache events recorded since the last call (block_pool.KVEvent)."""
-        with self._lock:
-            return self.engine.block_pool.take_events()
+        return self.call(self.engine.block_pool.take_events)
 
     def kv_snapshot(self) -> list[int]:
         """Every block hash the prefix cache holds now (taking the pending events with it)."""
-        with self._lock:
+        def snapshot() -> list[int]:
             self.engine.block_pool.take_events()
             return list(self.engine.block_pool.cached)
 
+        return self.call(snapshot)
+
     def stats(self) -> EngineStats:
+        return self.call(self._stats)
+
+    def call(self, fn, *args):
+        """Run `fn(*args)` on the engine between two steps; its result, or its exception."""
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        self._wake.set()
+        if self._stopped.is_set() or not self._thread.is_alive():
+            self._run_calls()  # nothing steps (any more): run it on this thread
+        return future.result()
+
+    def _run_calls(self) -> None:
         with self._lock:
-            sched = self.engine.scheduler
-            pool = self.engine.block_pool
-            loads = sched.load_results
-            return EngineStats(
-                waiting_requests=sched.num_waiting, running_requests=sched.num_running,
-                waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
-                free_blocks=pool.num_free_blocks, total_blocks=pool.num_blocks,
-                leased_requests=len(self.engine.kv_manager.leases),
-                prefix_queries=pool.num_queries, prefix_hits=pool.num_hits,
-                kv_bytes_received=sum(r.num_bytes for r in loads),
-                kv_transfer_seconds=sum(r.seconds for r in loads),
-                kv_loads_failed=sum(not r.ok for r in loads), cached_blocks=len(pool.cached))
+            while True:
+                try:
+                    future, fn, args = self._calls.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+
+    def _stats(self) -> EngineStats:
+        sched = self.engine.scheduler
+        pool = self.engine.block_pool
+        loads = sched.load_results
+        return EngineStats(
+            waiting_requests=sched.num_waiting, running_requests=sched.num_running,
+            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            free_blocks=pool.num_free_blocks, total_blocks=pool.num_blocks,
+            leased_requests=len(self.engine.kv_manager.leases),
+            prefix_queries=pool.num_queries, prefix_hits=pool.num_hits,
+            kv_bytes_received=sum(r.num_bytes for r in loads),
+            kv_transfer_seconds=sum(r.seconds for r in loads),
+            kv_loads_failed=sum(not r.ok for r in loads), cached_blocks=len(pool.cached))
 
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
+                self._run_calls()
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step()
@@ -158,11 +192,12 @@ class EngineLoop:
             if not busy:
                 self._wake.wait(self.idle_tick_s)
                 self._wake.clear()
+        self._run_calls()  # those queued while it stopped
 
     def _fail_all(self, error: Exception) -> None:
+        self._stopped.set()
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream.put(RuntimeError(f"engine failed: {error}"))
-        self._stopped.set()
-
+        self._run_calls()
