@@ -32,6 +32,7 @@ def load_model(config: EngineConfig) -> LlamaForCausalLM:
     with torch.device(config.device.device):
         model = LlamaForCausalLM(arch).to(dtype)
     model.load_weights(load_state_dict(config.model.resolved, dtype))
+    model.pack_for_cpu()  # oneDNN's weight layout too on CPU (float32); a no-op elsewhere
     return model.eval()
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 from pdserve.kernels.dispatch import paged_attention
 from pdserve.models.arch import ModelArch
 
@@ -156,8 +157,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_for_cpu(self) -> None:
+        """Once the weights are loaded: every projection also in oneDNN's packed layout when
+        it applies (float32 on CPU), the tied LM head too (4-8 sequences' logits ~1.8x faster;
+        kernels/cpu_linear.py)."""
+        pack_linears(self)
+        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+            self.lm_head = PackedLinear(self.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

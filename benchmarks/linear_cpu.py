@@ -1,0 +1,75 @@
+"""CPU linear layers: F.linear against oneDNN-packed weights (pdserve.kernels.cpu_linear).
+
+Runs every projection of a model's decoder stack (random weights of SmolLM2-135M's shapes by
+default: 30 layers of qkv, o, gate_up and down, plus the tied LM head) at several row counts,
+alternating the two implementations, and prints JSON with milliseconds per pass and the
+ratio F.linear / packed (above 1: packed is faster).
+
+    python benchmarks/linear_cpu.py [--rows 1 8 64 2048] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.cpu_linear import PackedLinear
+
+SMOLLM2_135M = {"layers": 30, "hidden": 576, "qkv": 576 + 2 * 192, "inter": 1536,
+                "vocab": 49152}
+
+
+def weights(shape: dict) -> list[torch.Tensor]:
+    """(out, in) weights of every projection, in model order."""
+    h, per_layer = shape["hidden"], []
+    for _ in range(shape["layers"]):
+        per_layer += [torch.randn(shape["qkv"], h), torch.randn(h, h),
+                      torch.randn(2 * shape["inter"], h), torch.randn(h, shape["inter"])]
+    return per_layer + [torch.randn(shape["vocab"], h)]
+
+
+def time_pass(fns: list, inputs: dict[int, torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for in_features, fn in fns:
+        fn(inputs[in_features])
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 512, 2048])
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    ws = weights(SMOLLM2_135M)
+    plain = [(w.shape[1], lambda x, w=w: F.linear(x, w)) for w in ws]
+    packed = [(w.shape[1], PackedLinear(w)) for w in ws]
+    results = []
+    with torch.inference_mode():
+        for rows in args.rows:
+            inputs = {n: torch.randn(rows, n) for n in {w.shape[1] for w in ws}}
+            times = {"f_linear": [], "packed": []}
+            for _ in range(args.repeats + 1):  # the first round warms up, not counted
+                times["f_linear"].append(time_pass(plain, inputs))
+                times["packed"].append(time_pass(packed, inputs))
+            ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+            results.append({"rows": rows, "f_linear_ms": round(ms["f_linear"], 2),
+                            "packed_ms": round(ms["packed"], 2),
+                            "ratio": round(ms["f_linear"] / ms["packed"], 3)})
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    print(json.dumps({"command": " ".join(["python benchmarks/linear_cpu.py", *(
+        sys.argv[1:] if argv is None else argv)]), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "shapes": SMOLLM2_135M, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
