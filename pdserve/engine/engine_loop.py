@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -30,10 +31,28 @@ class OutputStream:
         self.loop = loop
         self.request_id = request_id
         self._queue: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self._listener: Callable[[RequestOutput | BaseException], None] | None = None
+        self._listen_lock = threading.Lock()
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put(item)
+        with self._listen_lock:
+            if self._listener is None:
+                self._queue.put(item)
+                return
+        self._listener(item)
+
+    def listen(self, callback: Callable[[RequestOutput | BaseException], None]) -> None:
+        """Hand every output (or the engine's error) to `callback` instead of `get`: those
+        queued already at once, later ones on the engine's thread, so `callback` must be quick
+        and must not call the engine."""
+        with self._listen_lock:
+            while True:
+                try:
+                    callback(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._listener = callback
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         """Next output; raises StreamTimeout, or the engine's error if the loop died."""

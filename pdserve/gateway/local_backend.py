@@ -1,15 +1,14 @@
 """LocalBackend: one colocated engine in this process (`pdserve serve`).
 
-The engine steps on its EngineLoop thread. Engine calls (submit, abort, stats) take the loop's
-lock, which a model step holds, so they run on a small thread pool rather than on the event
-loop. Each request's OutputStream is drained by a pump thread that hands outputs to the event
-loop; closing the stream aborts the request and wakes its pump.
+The engine steps on its EngineLoop thread. Engine calls (submit, abort, stats) wait for the
+step in flight, so they run on a small thread pool rather than on the event loop. Each
+request's OutputStream hands its outputs straight from the engine's thread to the event loop
+(`call_soon_threadsafe`); closing the stream aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,10 +27,6 @@ from pdserve.gateway.backend import (
 )
 from pdserve.outputs import Logprob, RequestOutput
 from pdserve.sampling_params import SamplingParams
-
-
-class _Closed(Exception):
-    """Put into an OutputStream to wake its pump thread after an abort."""
 
 
 class LocalBackend(Backend):
@@ -106,22 +101,15 @@ class _LocalStream(DeltaStream):
         self._finished = False
         self._first = True
         self._completion_tokens = 0
-        threading.Thread(target=self._pump, args=(asyncio.get_running_loop(),), daemon=True,
-                         name=f"pump-{stream.request_id}").start()
+        aloop = asyncio.get_running_loop()
 
-    def _pump(self, aloop: asyncio.AbstractEventLoop) -> None:
-        """Thread: forward outputs to the event loop until the last one, an error or close."""
-        while True:
-            try:
-                item: RequestOutput | BaseException = self._stream.get()
-            except BaseException as e:  # noqa: BLE001 - the engine's error, or _Closed
-                item = e
+        def deliver(item: RequestOutput | BaseException) -> None:  # on the engine's thread
             try:
                 aloop.call_soon_threadsafe(self._queue.put_nowait, item)
             except RuntimeError:  # the event loop is gone (shutdown)
-                return
-            if isinstance(item, BaseException) or item.finished:
-                return
+                pass
+
+        stream.listen(deliver)
 
     async def __anext__(self) -> Delta:
         while not self._pending:
@@ -130,8 +118,6 @@ class _LocalStream(DeltaStream):
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 self._finished = True
-                if isinstance(item, _Closed):
-                    raise StopAsyncIteration
                 raise BackendError(str(item))
             if item.error:
                 self._finished = True
@@ -167,7 +153,6 @@ class _LocalStream(DeltaStream):
         if not self._finished:
             self._finished = True
             self._backend._abort_soon(self._stream.request_id)
-            self._stream.put(_Closed())
 
 
 def _position(entry: dict[int, Logprob] | None, sampled: int) -> list[TokenLogprob] | None:

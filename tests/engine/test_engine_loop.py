@@ -85,3 +85,20 @@ def test_after_stop_calls_answer_instead_of_hanging(loop):
         loop.submit("late", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1))
     assert loop.stats().running_requests == 0
     assert loop.abort("late") is False
+
+
+def test_a_listener_gets_every_output_in_order_including_those_queued_before(loop):
+    stream = loop.submit("listened", {"prompt_token_ids": [3, 4, 5]},
+                         SamplingParams(max_tokens=12, ignore_eos=True))
+    first = stream.get(timeout=30)  # read one the usual way, then switch to a listener
+    got, done = [], threading.Event()
+
+    def collect(item):
+        got.append(item)
+        if getattr(item, "finished", False):
+            done.set()
+
+    stream.listen(collect)
+    assert done.wait(30)
+    tokens = list(first.outputs[0].token_ids) + [t for o in got for t in o.outputs[0].token_ids]
+    assert len(tokens) == 12 and [o.finished for o in got] == [False] * (len(got) - 1) + [True]
