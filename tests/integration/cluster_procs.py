@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
@@ -50,12 +53,67 @@ class ServerProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 15 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+class GatewayProcess:
+    """`python -m pdserve.gateway.server` (= `pdserve serve`) on a free port."""
+
+    def __init__(self, *args: str, startup_timeout: float = 90):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.gateway.server", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log: list[str] = []
+        self.url = self._wait_listening(startup_timeout)
+        threading.Thread(target=self._drain, daemon=True).start()
+        self._wait_healthy(startup_timeout)
+
+    def _wait_listening(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                    break
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                self.log.append(line)
+                if "listening on " in line:
+                    return line.rsplit("listening on ", 1)[1].strip()
+        self.stop()
+        raise RuntimeError("gateway did not start:\n" + "".join(self.log[-30:]))
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("gateway not healthy:\n" + "".join(self.log[-30:]))
+
+    def stop(self) -> None:
+        stop_process(self.proc)
 
 
 def wait_for(predicate, timeout: float = 15, interval: float = 0.1) -> bool:

@@ -5,17 +5,12 @@ client disconnects, and /metrics."""
 from __future__ import annotations
 
 import json
-import os
-import selectors
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
+from cluster_procs import GatewayProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
@@ -24,64 +19,8 @@ API_KEY = "test-key"
 MAX_CONCURRENCY = 3
 MAX_BODY_BYTES = 64 << 10
 KV_BYTES = 8 << 20
-STARTUP_S = 90
 WAIT_S = 10
 LONG = {"max_tokens": 1500, "ignore_eos": True}  # runs until aborted, for all practical purposes
-
-
-class GatewayProcess:
-    """`python -m pdserve.gateway.server` (= `pdserve serve`) on a free port."""
-
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.gateway.server", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.log: list[str] = []
-        self.url = self._wait_listening()
-        threading.Thread(target=self._drain, daemon=True).start()
-        self._wait_healthy()
-
-    def _wait_listening(self) -> str:
-        deadline = time.monotonic() + STARTUP_S
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    break
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                self.log.append(line)
-                if "listening on " in line:
-                    return line.rsplit("listening on ", 1)[1].strip()
-        self.stop()
-        raise RuntimeError("gateway did not start:\n" + "".join(self.log[-30:]))
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("gateway not healthy:\n" + "".join(self.log[-30:]))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

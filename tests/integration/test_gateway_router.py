@@ -9,9 +9,9 @@ import time
 import httpx
 import openai
 import pytest
+from cluster_procs import GatewayProcess
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
-from test_gateway_openai import GatewayProcess
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec, free_port
