@@ -44,107 +44,27 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
+from pdserve.kernels.triton_layout import (
+    check_cache,
+    check_device,
+    check_heads,
+    check_index,
+    check_qkv,
+    decode_config,
+    dot_precision,
+    fail,
+    pow2,
+    prefill_config,
+)
 
 __all__ = ["decode_attention", "paged_attention", "prefill_attention", "write_kv"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout checks
-# ---------------------------------------------------------------------------------------------
-
-def _fail(what: str) -> None:
-    raise ValueError(f"triton paged attention: {what}")
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    for t in tensors:
-        if t.device != device:
-            _fail(f"all tensors must be on one device, got {device} and {t.device}")
-    if device.type != "cuda" and not _interpreted():
-        _fail(f"tensors must be on a CUDA device (got {device}); CPU tensors only run under "
-              "TRITON_INTERPRET=1 set before Triton is imported")
-
-
-def _check_qkv(name: str, t: torch.Tensor, ndim: int) -> None:
-    if t.dim() != ndim:
-        _fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in _FLOAT_DTYPES:
-        _fail(f"{name} dtype must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.stride(-1) != 1:
-        _fail(f"{name} must be contiguous in its last (head_dim) dim, got strides {t.stride()}")
-
-
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4:
-            _fail(f"{name} must be (num_blocks, block_size, num_kv_heads, head_dim), "
-                  f"got shape {tuple(c.shape)}")
-        if not c.is_contiguous():
-            _fail(f"{name} must be contiguous")
-        if c.dtype not in _FLOAT_DTYPES:
-            _fail(f"{name} dtype must be float16, bfloat16 or float32, got {c.dtype}")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        _fail(f"k_cache and v_cache differ: {tuple(k_cache.shape)} {k_cache.dtype} vs "
-              f"{tuple(v_cache.shape)} {v_cache.dtype}")
-
-
-def _check_index(name: str, t: torch.Tensor, ndim: int) -> None:
-    if t.dim() != ndim:
-        _fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in _INDEX_DTYPES:
-        _fail(f"{name} dtype must be int32 or int64, got {t.dtype}")
-    if t.stride(-1) != 1 and t.numel() > 1:
-        _fail(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-
-
-def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
-    """(h, kvh, head_dim), checked between q (.., h, d) and the cache."""
-    h, d = q.shape[-2], q.shape[-1]
-    kvh, cd = k_cache.shape[2], k_cache.shape[3]
-    if d != cd:
-        _fail(f"q head_dim {d} != cache head_dim {cd}")
-    if kvh == 0 or h % kvh:
-        _fail(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if q.dtype != k_cache.dtype:
-        _fail(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
-    return h, kvh, d
 
 
 def _interpreted() -> bool:
     # triton.jit returns an InterpretedFunction when TRITON_INTERPRET=1 was set at import time.
     return type(_decode_kernel).__name__ == "InterpretedFunction"
-
-
-def _pow2(n: int, at_least: int = 1) -> int:
-    return max(at_least, triton.next_power_of_2(max(1, n)))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
-
-
-# Tile sizes and warps. Not autotuned nor timed: chosen so that the kernels compile for sm_90
-# without register spills (checked with ptxas -v through triton.compile, no GPU needed).
-def _decode_config(d_pad: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(context tokens per loop step, num_warps)."""
-    if d_pad > 128:
-        return 16, 8
-    if dtype == torch.float32:
-        return (32, 4) if d_pad <= 64 else (16, 4)
-    return (64, 4) if d_pad <= 64 else (32, 4)
-
-
-def _prefill_config(d_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(rows per program = query tokens x group heads, keys per loop step, num_warps)."""
-    if d_pad > 128:
-        return (16, 16, 8) if dtype == torch.float32 else (32, 32, 8)
-    rows = 32 if dtype == torch.float32 else 64
-    return rows, 32, 4 if d_pad <= 64 else 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,28 +99,28 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
     Token i goes to flat slot `slot_mapping[i]`; tokens with a negative slot are skipped.
     """
-    _check_cache(k_cache, v_cache)
-    _check_qkv("k", k, 3)
-    _check_qkv("v", v, 3)
-    _check_index("slot_mapping", slot_mapping, 1)
-    _check_device(k, v, k_cache, v_cache, slot_mapping)
+    check_cache(k_cache, v_cache)
+    check_qkv("k", k, 3)
+    check_qkv("v", v, 3)
+    check_index("slot_mapping", slot_mapping, 1)
+    check_device(k, v, k_cache, v_cache, slot_mapping, interpreted=_interpreted())
     T, kvh, d = k.shape
     if tuple(v.shape) != (T, kvh, d):
-        _fail(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+        fail(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if (kvh, d) != tuple(k_cache.shape[2:]):
-        _fail(f"k (T, kvh, d) = {tuple(k.shape)} does not match cache (kvh, d) = "
+        fail(f"k (T, kvh, d) = {tuple(k.shape)} does not match cache (kvh, d) = "
               f"{tuple(k_cache.shape[2:])}")
     if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
-        _fail(f"k/v dtypes {k.dtype}/{v.dtype} must equal the cache dtype {k_cache.dtype}")
+        fail(f"k/v dtypes {k.dtype}/{v.dtype} must equal the cache dtype {k_cache.dtype}")
     if slot_mapping.shape[0] != T:
-        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {T} tokens")
+        fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {T} tokens")
     if T == 0:
         return
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=kvh, H_PAD=_pow2(kvh), HEAD_DIM=d, D_PAD=_pow2(d),
+        NUM_KV_HEADS=kvh, H_PAD=pow2(kvh), HEAD_DIM=d, D_PAD=pow2(d),
     )
 
 
@@ -263,30 +183,31 @@ def _launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    out: torch.Tensor, token_idx: torch.Tensor, block_tables: torch.Tensor,
                    seq_lens: torch.Tensor, scale: float, tile_n: int | None) -> None:
     """Decode rows `token_idx` of q (T, h, d) into the same rows of out."""
-    _check_index("decode_token_idx", token_idx, 1)
-    _check_index("decode_block_tables", block_tables, 2)
-    _check_index("decode_seq_lens", seq_lens, 1)
-    _check_device(q, out, k_cache, v_cache, token_idx, block_tables, seq_lens)
-    h, kvh, d = _check_heads(q, k_cache)
+    check_index("decode_token_idx", token_idx, 1)
+    check_index("decode_block_tables", block_tables, 2)
+    check_index("decode_seq_lens", seq_lens, 1)
+    check_device(q, out, k_cache, v_cache, token_idx, block_tables, seq_lens,
+                 interpreted=_interpreted())
+    h, kvh, d = check_heads(q, k_cache)
     B = token_idx.shape[0]
     if block_tables.shape[0] != B or seq_lens.shape[0] != B:
-        _fail(f"decode metadata disagrees: {B} tokens, block tables "
+        fail(f"decode metadata disagrees: {B} tokens, block tables "
               f"{tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}")
     if B == 0:
         return
     group = h // kvh
-    d_pad = _pow2(d, 16)  # tl.dot needs every dim >= 16
-    default_tile_n, num_warps = _decode_config(d_pad, q.dtype)
+    d_pad = pow2(d, 16)  # tl.dot needs every dim >= 16
+    default_tile_n, num_warps = decode_config(d_pad, q.dtype)
     tile_n = tile_n or default_tile_n
     if tile_n < 16 or tile_n & (tile_n - 1):
-        _fail(f"tile_n must be a power of two >= 16, got {tile_n}")
+        fail(f"tile_n must be a power of two >= 16, got {tile_n}")
     _decode_kernel[(B, kvh)](
         q, k_cache, v_cache, out, token_idx, block_tables, seq_lens,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, G_PAD=_pow2(group, 16), HEAD_DIM=d, D_PAD=d_pad,
-        BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, IN_PREC=_dot_precision(q.dtype),
+        GROUP=group, G_PAD=pow2(group, 16), HEAD_DIM=d, D_PAD=d_pad,
+        BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, IN_PREC=dot_precision(q.dtype),
         num_warps=num_warps,
     )
 
@@ -300,8 +221,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (not checked: that would need a device sync); seq_lens: (B,) including the new token.
     `tile_n` (power of two >= 16) is the number of context tokens per loop step.
     """
-    _check_cache(k_cache, v_cache)
-    _check_qkv("q", q, 3)
+    check_cache(k_cache, v_cache)
+    check_qkv("q", q, 3)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     token_idx = torch.arange(q.shape[0], device=q.device)
     _launch_decode(q, k_cache, v_cache, out, token_idx, block_tables, seq_lens, scale, tile_n)
@@ -378,21 +299,21 @@ def _launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attend every span's rows of q (T, h, d) into the same rows of out, in one launch."""
     if not spans:
         return
-    h, kvh, d = _check_heads(q, k_cache)
+    h, kvh, d = check_heads(q, k_cache)
     T = q.shape[0]
     block_size = k_cache.shape[1]
     group = h // kvh
-    g_pad = _pow2(group)
-    d_pad = _pow2(d, 16)
-    rows, default_block_n, num_warps = _prefill_config(d_pad, q.dtype)
+    g_pad = pow2(group)
+    d_pad = pow2(d, 16)
+    rows, default_block_n, num_warps = prefill_config(d_pad, q.dtype)
     block_m = block_m or max(1, rows // g_pad)
     block_n = block_n or default_block_n
     if block_m & (block_m - 1):
-        _fail(f"block_m must be a power of two, got {block_m}")
+        fail(f"block_m must be a power of two, got {block_m}")
     if block_m * g_pad < 16:
         block_m = 16 // g_pad  # tl.dot needs >= 16 rows
     if block_n < 16 or block_n & (block_n - 1):
-        _fail(f"block_n must be a power of two >= 16, got {block_n}")
+        fail(f"block_n must be a power of two >= 16, got {block_n}")
 
     tiles: list[list[int]] = []
     tables: list[torch.Tensor] = []
@@ -401,16 +322,16 @@ def _launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         n = span.num_new
         past = span.context_len - n
         if not 0 <= span.token_start <= span.token_end <= T:
-            _fail(f"prefill {i}: tokens [{span.token_start}, {span.token_end}) outside the "
+            fail(f"prefill {i}: tokens [{span.token_start}, {span.token_end}) outside the "
                   f"batch of {T}")
         if past < 0:
-            _fail(f"prefill {i}: context_len {span.context_len} < {n} new tokens")
+            fail(f"prefill {i}: context_len {span.context_len} < {n} new tokens")
         bt = span.block_table
-        _check_index(f"prefills[{i}].block_table", bt, 1)
+        check_index(f"prefills[{i}].block_table", bt, 1)
         if bt.device != q.device:
-            _fail(f"prefills[{i}].block_table is on {bt.device}, q on {q.device}")
+            fail(f"prefills[{i}].block_table is on {bt.device}, q on {q.device}")
         if bt.shape[0] * block_size < span.context_len:
-            _fail(f"prefill {i}: {bt.shape[0]} blocks of {block_size} cannot hold "
+            fail(f"prefill {i}: {bt.shape[0]} blocks of {block_size} cannot hold "
                   f"context_len {span.context_len}")
         for m0 in range(0, n, block_m):
             tiles.append([span.token_start + m0, min(block_m, n - m0), past + m0,
@@ -428,7 +349,7 @@ def _launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        IN_PREC=_dot_precision(q.dtype), num_warps=num_warps,
+        IN_PREC=dot_precision(q.dtype), num_warps=num_warps,
     )
 
 
@@ -441,9 +362,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     written there already (as `paged_attention` does). `span.token_start`/`token_end` index q
     here, i.e. they should be 0 and n.
     """
-    _check_cache(k_cache, v_cache)
-    _check_qkv("q", q, 3)
-    _check_device(q, k_cache, v_cache)
+    check_cache(k_cache, v_cache)
+    check_qkv("q", q, 3)
+    check_device(q, k_cache, v_cache, interpreted=_interpreted())
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch_prefill(q, k_cache, v_cache, out, [span], scale, block_m, block_n)
     return out
@@ -459,12 +380,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     Rows of the output that belong to neither a decode nor a prefill are left uninitialised.
     """
-    _check_cache(k_cache, v_cache)
-    _check_qkv("q", q, 3)
-    _check_device(q, k_cache, v_cache)
-    _check_heads(q, k_cache)
+    check_cache(k_cache, v_cache)
+    check_qkv("q", q, 3)
+    check_device(q, k_cache, v_cache, interpreted=_interpreted())
+    check_heads(q, k_cache)
     if k.shape[0] != q.shape[0]:
-        _fail(f"q has {q.shape[0]} tokens, k/v {k.shape[0]}")
+        fail(f"q has {q.shape[0]} tokens, k/v {k.shape[0]}")
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
