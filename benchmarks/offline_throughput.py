@@ -1,7 +1,8 @@
 """Offline throughput: pdserve's `LLM.generate` against transformers' batched `generate`.
 
 Both run the same workload, in one process, on the same weights (the bundled SmolLM2-135M
-unless `--model`), in float32 with greedy decoding:
+unless `--model`), on the same device (`--device`: the GPU when there is one) and in the same
+type (`--dtype`, float32 unless given) with greedy decoding:
 
 - mixed workload: `--num-requests` prompts with lengths spread uniformly over
   [`--min-prompt`, `--max-prompt`] tokens and output lengths over [`--min-output`,
@@ -148,22 +149,25 @@ def run_ttft(llm: LLM, corpus_rng: random.Random, vocab_ids: list[int], args) ->
 # --------------------------------------------------------------------------- transformers
 
 def build_hf_model(llm: LLM):
-    """transformers' Llama holding the same weights pdserve loaded (float32)."""
+    """transformers' Llama holding the same weights pdserve loaded, on its device and in its
+    dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pdserve.models.loader import load_state_dict
 
-    resolved = llm.llm_engine.config.model.resolved
+    model_config = llm.llm_engine.config.model
+    resolved, dtype = model_config.resolved, model_config.dtype
+    device = llm.llm_engine.config.device.device
     if not resolved.gguf_file:
-        return AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32,
-                                                    local_files_only=True).eval()
+        return AutoModelForCausalLM.from_pretrained(resolved.path, dtype=dtype,
+                                                    local_files_only=True).eval().to(device)
     config = AutoConfig.from_pretrained(resolved.directory, gguf_file=resolved.gguf_file,
                                         local_files_only=True)
-    config.tie_word_embeddings = llm.llm_engine.config.model.arch.tie_word_embeddings
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(load_state_dict(resolved, torch.float32), strict=False)
+    config.tie_word_embeddings = model_config.arch.tie_word_embeddings
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(load_state_dict(resolved, dtype), strict=False)
     model.tie_weights()
-    return model.eval()
+    return model.eval().to(device)
 
 
 @torch.inference_mode()
@@ -180,9 +184,11 @@ def run_hf(model, reqs, batch_size: int, pad_id: int, cache: str | None = None) 
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             mask[i, width - len(ids):] = 1
         kwargs = {"cache_implementation": cache} if cache else {}
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=pad_id, **kwargs)
+        out = model.generate(input_ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=pad_id, **kwargs)
         assert out.shape[1] == width + new
+        out.cpu()  # waits for the device
         generated += len(batch) * new
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     useful = sum(o for _, o in reqs)
@@ -214,6 +220,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="pdserve only (profiling)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    ap.add_argument("--dtype", default="float32", help="both systems (float32, bfloat16, ...)")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.max_prompt, args.max_output = 8, 128, 32
@@ -228,8 +237,11 @@ def main() -> None:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_num_seqs:
         engine_kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.kv_cache_memory_bytes:
+        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     t0 = time.perf_counter()
-    llm = LLM(args.model, **engine_kwargs)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine_kwargs)
+    device = llm.llm_engine.config.device.device
     load_s = time.perf_counter() - t0
     tok = llm.get_tokenizer()
     sched = llm.llm_engine.config.scheduler
@@ -249,7 +261,9 @@ def main() -> None:
         "model": args.model,
         "config": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                   "dtype": "float32", "quick": args.quick, "seed": args.seed,
+                   "device": device, "gpu": (torch.cuda.get_device_name()
+                                             if device == "cuda" else None),
+                   "dtype": args.dtype, "quick": args.quick, "seed": args.seed,
                    "pdserve_max_num_batched_tokens": sched.max_num_batched_tokens,
                    "pdserve_max_num_seqs": sched.max_num_seqs, "load_s": round(load_s, 2)},
         "workload": {"num_requests": len(reqs),
