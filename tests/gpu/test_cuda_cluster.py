@@ -23,7 +23,9 @@ CONNECTORS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
     not nixl_available(), reason="nixl is not installed"))]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# float32, so that token identity does not hinge on 16-bit rounding of matrix products whose
+# algorithms may differ between processes.
+@pytest.mark.parametrize("dtype", ["float32"])
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_1p1d_on_one_gpu_matches_colocated(tmp_path, connector, dtype):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
