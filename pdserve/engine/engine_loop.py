@@ -89,8 +89,12 @@ class EngineStats:
 class EngineLoop:
     """Owns the thread that steps an engine; thread-safe submit / abort / release."""
 
-    def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.05):
+    def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.05,
+                 on_failure: Callable[[Exception], None] | None = None):
+        """`on_failure(error)` runs on the loop's thread if a step raises (the loop is dead
+        then: every stream gets the error, later calls raise)."""
         self.engine = engine
+        self.on_failure = on_failure
         self.idle_tick_s = idle_tick_s
         self._lock = threading.Lock()  # held by whoever touches the engine
         self._calls: queue.SimpleQueue[tuple[Future, object, tuple]] = queue.SimpleQueue()
@@ -220,3 +224,5 @@ class EngineLoop:
         for stream in streams:
             stream.put(RuntimeError(f"engine failed: {error}"))
         self._run_calls()
+        if self.on_failure is not None:
+            self.on_failure(error)

@@ -16,8 +16,9 @@ from pdserve.sampling_params import SamplingParams
 class InputProcessor:
     """Validates and tokenizes prompts; fans a request with n > 1 out into n child records."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer, max_len: int):
+    def __init__(self, model_config: ModelConfig, tokenizer, max_len: int, block_size: int = 16):
         self.model_config = model_config
+        self.block_size = block_size  # the KV cache's, to check remote KV handles against
         self.max_len = max_len  # max_model_len, or less when the KV cache holds less
         self.tokenizer = tokenizer
         self.vocab_size = model_config.arch.vocab_size
@@ -66,6 +67,8 @@ class InputProcessor:
                              f"got {type(params).__name__}")
         params.verify_vocab(self.vocab_size)
         remote_kv, prefilled = self._remote_inputs(kv_transfer_params or {}, params)
+        if remote_kv is not None:
+            remote_kv.check(len(prompt_ids), self.block_size)
         bad_words = self._tokenize_bad_words(params.bad_words or [])
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []

@@ -55,7 +55,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, allocate_kv_cache(
             config, self.num_blocks, self.connector))
         self.input_processor = InputProcessor(config.model, self.tokenizer,
-                                              self.scheduler.max_model_len)
+                                              self.scheduler.max_model_len,
+                                              config.cache.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

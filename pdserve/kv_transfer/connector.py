@@ -12,6 +12,7 @@ Split by side, as the engine is:
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from collections.abc import Callable
@@ -48,6 +49,34 @@ class KVHandle:
                 "block_hashes": list(self.block_hashes), "num_tokens": self.num_tokens,
                 "lease_expires_at": self.lease_expires_at,
                 "release_address": self.release_address}
+
+    def check(self, num_prompt_tokens: int, block_size: int) -> None:
+        """Raise ValueError naming the field unless this handle can describe the KV of a
+        `num_prompt_tokens`-token prompt in blocks of `block_size` (it comes off the wire)."""
+        if not 1 <= self.num_tokens <= num_prompt_tokens:
+            raise ValueError(f"handle.num_tokens: {self.num_tokens} is outside "
+                             f"[1, {num_prompt_tokens}] (the prompt's length)")
+        need = -(-self.num_tokens // block_size)
+        if len(self.block_ids) != need:
+            raise ValueError(f"handle.block_ids: {len(self.block_ids)} ids for "
+                             f"{self.num_tokens} tokens in blocks of {block_size} (want {need})")
+        layout = self.descriptor.get("layout")
+        num_blocks = layout.get("num_blocks") if isinstance(layout, dict) else None
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError("handle.descriptor_json: no valid layout.num_blocks")
+        if isinstance(layout, dict) and layout.get("block_size") != block_size:
+            raise ValueError(f"handle.descriptor_json: layout.block_size "
+                             f"{layout.get('block_size')!r} differs from this engine's "
+                             f"{block_size}")
+        if any(not 0 <= b < num_blocks for b in self.block_ids):
+            raise ValueError(f"handle.block_ids: ids must be in [0, {num_blocks})")
+        if len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError("handle.block_ids: repeated block id")
+        if len(self.block_hashes) > self.num_tokens // block_size:
+            raise ValueError(f"handle.block_hashes: {len(self.block_hashes)} hashes for "
+                             f"{self.num_tokens // block_size} full blocks")
+        if not math.isfinite(self.lease_expires_at):
+            raise ValueError("handle.lease_expires_at: must be finite")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVHandle:

@@ -16,6 +16,23 @@ PREFIX = "pdserve-kv-"
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(\d+)-[0-9a-f]+-")
 
 
+_FULL_NAME_RE = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(\d+)-[0-9a-f]{{8}}-[A-Za-z0-9_.]{{1,64}}$")
+
+
+def check_segment_path(path: str, shm_dir: str, owner: tuple[int, int, int]) -> str:
+    """`path` if it names a pdserve segment directly in `shm_dir` whose name records `owner`
+    (pid, start time, pid namespace); otherwise ValueError. A descriptor comes off the wire:
+    this keeps a forged one from making a consumer map, or unlink, any other file."""
+    name = os.path.basename(path)
+    match = _FULL_NAME_RE.match(name)
+    if os.path.join(shm_dir, name) != path or match is None:
+        raise ValueError(f"segment {path!r} is not a pdserve KV segment in {shm_dir}")
+    pidns, pid, start = (int(g) for g in match.groups())
+    if (pid, start, pidns) != tuple(owner):
+        raise ValueError(f"segment {path!r} does not belong to the owner the descriptor names")
+    return path
+
+
 def pid_namespace() -> int:
     """Inode of this process's PID namespace (0 if unknown)."""
     try:

@@ -22,6 +22,7 @@ import torch
 from pdserve.kv_transfer.block_runs import BlockRun
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.shm_segment import (
+    check_segment_path,
     create_segment,
     map_segment_readonly,
     new_segment_name,
@@ -90,9 +91,9 @@ class ShmTransport(KVTransport):
     def _peer_view(self, remote: dict[str, Any], layout: KVLayout) -> torch.Tensor:
         """The producer's cache, mapped read-only; checks the producer is still there."""
         try:
-            path = str(remote["segment"])
             inode = int(remote["inode"])
             owner = (int(remote["pid"]), int(remote["pid_start"]), int(remote["pidns"]))
+            path = check_segment_path(str(remote["segment"]), self.shm_dir, owner)
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferError(f"malformed shm descriptor: missing/invalid {e}") from e
         try:

@@ -27,6 +27,8 @@ class GrpcServer:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
         self._services: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self._done = threading.Event()
+        self._exit_code = 0
 
     def add(self, register: Callable, servicer, service_names: Iterable[str]) -> None:
         """Add a servicer (`register` is the generated add_XServicer_to_server)."""
@@ -44,14 +46,23 @@ class GrpcServer:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait(grace + 1)
 
-    def serve_until_signal(self, on_stop: Callable[[], None] = lambda: None) -> None:
-        """Block until SIGTERM or SIGINT, then stop the server and run `on_stop`."""
-        done = threading.Event()
+    def fail(self) -> None:
+        """Report NOT_SERVING on every service and end `serve_until_signal` with exit code 1:
+        the process can no longer serve, and its supervisor should restart it."""
+        for name in self._services + [""]:
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._exit_code = 1
+        self._done.set()
+
+    def serve_until_signal(self, on_stop: Callable[[], None] = lambda: None) -> int:
+        """Block until SIGTERM or SIGINT (exit code 0) or `fail()` (1), then stop the server
+        and run `on_stop`; returns the exit code."""
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: done.set())
-        done.wait()
+            signal.signal(sig, lambda *_: self._done.set())
+        self._done.wait()
         self.stop()
         on_stop()
+        return self._exit_code
 
 
 def service_name(module, name: str) -> str:

@@ -43,7 +43,7 @@ class Instance:
         sink = self.index or (RouterSink(self.channels.get(router)) if router else None)
         self.engine = LLMEngine.from_engine_args(engine_args, connector=self.connector,
                                                  record_kv_events=sink is not None)
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, on_failure=self._engine_failed)
         self.publisher = (KVEventPublisher(self.loop, sink, self.instance_id)
                           if sink is not None else None)
         self.router = router
@@ -67,6 +67,14 @@ class Instance:
         except grpc.RpcError as e:
             logger.warning("release of %s at %s failed: %s", handle.request_id,
                            handle.release_address, e.code())
+
+    def _engine_failed(self, error: Exception) -> None:
+        """The engine loop died: stop heartbeating (the router drops this instance), report
+        NOT_SERVING, and end the process non-zero so that its supervisor restarts it."""
+        logger.error("engine loop of %s died: %s: %s; this instance stops serving",
+                     self.instance_id, type(error).__name__, error)
+        self._stop.set()
+        self.server.fail()
 
     def load(self) -> common_pb2.Load:
         return load_message(self.instance_id, self.role, self.address, self.loop.stats(),
@@ -136,5 +144,4 @@ def run_instance(role: str, args: argparse.Namespace, register) -> int:
     register(instance)
     instance.start()
     print(f"{role} {instance.instance_id} listening on {instance.address}", flush=True)
-    instance.server.serve_until_signal(on_stop=instance.stop)
-    return 0
+    return instance.server.serve_until_signal(on_stop=instance.stop)

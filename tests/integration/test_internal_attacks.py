@@ -1,0 +1,113 @@
+"""The internal plane under attack: forged KV handles sent to a real decode process.
+
+Each attack is refused with INVALID_ARGUMENT naming the field, or, where the handle is well
+formed but points elsewhere, the load fails and the request is recomputed; nothing outside the
+engine's own segments is touched, and the instance keeps serving correct answers.
+"""
+
+import json
+import os
+
+import grpc
+import pytest
+from cluster_procs import ServerProcess
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve import LLM, SamplingParams
+from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+PROMPT = list(range(2000, 2040))  # 40 tokens: 2 full blocks and a partial one
+GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def pd(request, tiny_model_dir):
+    common = ["--model", str(tiny_model_dir), "--connector", request.param,
+              "--kv-cache-memory-bytes", str(8 << 20)]
+    prefill = ServerProcess("prefill", *common, "--kv-lease-s", "5")
+    try:
+        decode = ServerProcess("decode", *common)
+    except Exception:
+        prefill.stop()
+        raise
+    p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
+    d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
+    yield p, d, decode, request.param
+    prefill.stop()
+    decode.stop()
+
+
+@pytest.fixture(scope="module")
+def want(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_cache_memory_bytes=8 << 20)
+    return llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def prefill(p, rid):
+    return p.Prefill(engine_pb2.PrefillRequest(request_id=rid, prompt_token_ids=PROMPT,
+                                               sampling=GREEDY), timeout=30)
+
+
+def decode(d, rid, handle, first_token):
+    tokens = []
+    for msg in d.Decode(engine_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=PROMPT, sampling=GREEDY, handle=handle,
+            output_token_ids=[first_token]), timeout=30):
+        tokens += msg.token_ids
+    return tokens  # the stream starts with the first token too
+
+
+def still_serves(p, d, decode_proc, want, rid):
+    """The decode process is alive, SERVING, and answers a genuine request correctly."""
+    assert decode_proc.proc.poll() is None
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(decode_proc.address))
+    status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    first = prefill(p, rid)
+    assert decode(d, rid, first.handle, first.first_token_id) == want
+
+
+@pytest.mark.parametrize("field, forge", [
+    ("handle.num_tokens", lambda h: setattr(h, "num_tokens", -5)),
+    ("handle.num_tokens", lambda h: setattr(h, "num_tokens", 10**12)),
+    ("handle.block_ids", lambda h: h.block_ids.append(7)),
+    ("handle.block_ids", lambda h: h.block_ids.__setitem__(0, 10**9)),
+    ("handle.block_ids", lambda h: h.block_ids.__setitem__(1, h.block_ids[0])),
+    ("handle.block_hashes", lambda h: h.block_hashes.extend([1, 2, 3, 4])),
+    ("handle.lease_expires_at", lambda h: setattr(h, "lease_expires_at", float("nan"))),
+])
+def test_forged_handle_fields_are_refused(pd, want, field, forge):
+    p, d, decode_proc, connector = pd
+    rid = f"forge-{connector}-{field}-{abs(hash(str(forge))) % 10**6}"
+    first = prefill(p, rid)
+    handle = common_pb2.KVHandle()
+    handle.CopyFrom(first.handle)
+    forge(handle)
+    with pytest.raises(grpc.RpcError) as e:
+        decode(d, rid, handle, first.first_token_id)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+    still_serves(p, d, decode_proc, want, rid + "-after")
+
+
+def test_forged_shm_segment_never_touches_another_file(pd, want, tmp_path):
+    """A descriptor naming some other file, with a dead 'owner', once made the consumer
+    unlink that file. Now the path is checked against the engine's own segment names."""
+    p, d, decode_proc, connector = pd
+    if connector != "shm":
+        pytest.skip("an shm descriptor")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    rid = "forge-shm-path"
+    first = prefill(p, rid)
+    handle = common_pb2.KVHandle()
+    handle.CopyFrom(first.handle)
+    descriptor = json.loads(handle.descriptor_json)
+    descriptor.update(segment=str(victim), inode=os.stat(victim).st_ino, pid=999_999_999,
+                      pid_start=1)
+    handle.descriptor_json = json.dumps(descriptor)
+    # The load fails and the decode side recomputes the prompt: the answer is still right.
+    assert decode(d, rid, handle, first.first_token_id) == want
+    assert victim.read_text() == "keep me"
+    still_serves(p, d, decode_proc, want, rid + "-after")
