@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -29,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
+from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
 
 _PR_SET_PDEATHSIG = 1
 
@@ -56,6 +58,9 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()  # extra flags for the router
     http_port: int | None = None  # the OpenAI-format gateway in front of the router (None: none)
     api_key: str | None = None  # the gateway's Bearer key
+    # The internal plane's secret, given to every child in its environment (never argv);
+    # None: internal calls are not authenticated. `pdserve up` always makes one.
+    cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -172,8 +177,19 @@ class Cluster:
                 [sys.executable, "-m", "pdserve.cli", *args], stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent(),  # noqa: PLW1509
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                env=self._child_env())
         self.children.append(Child(name, role, address, proc, log_path))
+
+    def _child_env(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.spec.cluster_secret:
+            env[SECRET_ENV] = self.spec.cluster_secret
+        return env
+
+    @property
+    def credentials(self) -> Credentials:
+        """What a client inside the cluster presents (the cluster secret, if any)."""
+        return Credentials(self.spec.cluster_secret)
 
     def wait_ready(self) -> None:
         """Bounded wait: every process SERVING, then every instance listed by the router."""
@@ -184,7 +200,7 @@ class Cluster:
             else:
                 self._wait_healthy(child, deadline)
         want = {c.name for c in self.instances}
-        with grpc.insecure_channel(self.router_address) as channel:
+        with internal_channel(self.router_address, self.credentials) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             seen: set[str] = set()
             while time.monotonic() < deadline:
@@ -268,6 +284,9 @@ class Cluster:
         lines += [f"{c.name:<10} {c.address}  ({c.role}, {self.spec.connector})"
                   for c in self.instances]
         lines.append(f"logs       {self.log_dir}")
+        if self.spec.cluster_secret:
+            lines.append("internal   calls need the cluster secret (given to the children in "
+                         f"${SECRET_ENV})")
         return "\n".join(lines)
 
 
@@ -300,13 +319,15 @@ def add_cli(subparsers) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    # A fresh secret for this cluster's internal plane, unless the caller set one.
+    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)
     spec = ClusterSpec(
         model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
         connector=args.connector, host=args.host, grpc_port=args.grpc_port,
         disagg_threshold=args.disagg_threshold, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
         log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
-        api_key=args.api_key)
+        api_key=args.api_key, cluster_secret=secret)
     cluster = Cluster(spec)
     stop = cluster.interrupted
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -102,6 +102,7 @@ class Scheduler:
 
     def release_kv(self, request_id: str) -> bool:
         """A remote reader is done with a finished prefill's blocks: free them."""
+        self.connector.revoke(request_id)
         return self.kv.release_lease(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -118,7 +119,8 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self.kv.expire_leases(time.monotonic())
+        for request_id in self.kv.expire_leases(time.monotonic()):
+            self.connector.revoke(request_id)
         out = SchedulerOutput()
         self._finish_loads(out)
         budget = self.config.max_num_batched_tokens

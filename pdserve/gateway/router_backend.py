@@ -26,6 +26,7 @@ from pdserve.gateway.backend import (
 )
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.sampling_params import SamplingParams
+from pdserve.services.auth import Credentials
 from pdserve.services.convert import params_to_proto
 
 _ERRORS = {
@@ -56,6 +57,8 @@ class RouterBackend(Backend):
         self.max_model_len = max_model_len
         self.timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
+        # Inside the cluster: the cluster secret ($PDSERVE_CLUSTER_SECRET) on every call.
+        self._metadata = Credentials.load().call_metadata()
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
 
     @property
@@ -72,7 +75,7 @@ class RouterBackend(Backend):
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
-        call = self.stub.Generate(req, timeout=self.timeout_s)
+        call = self.stub.Generate(req, timeout=self.timeout_s, metadata=self._metadata)
         self._calls[request_id] = call
         stream = _RouterStream(self, request_id, call, params)
         try:
@@ -90,7 +93,8 @@ class RouterBackend(Backend):
     async def _list_response(self) -> router_pb2.ListInstancesResponse:
         try:
             return await self.stub.ListInstances(router_pb2.ListInstancesRequest(),
-                                                 timeout=CONTROL_TIMEOUT_S)
+                                                 timeout=CONTROL_TIMEOUT_S,
+                                                 metadata=self._metadata)
         except grpc.RpcError as e:
             raise BackendUnavailable(f"router at {self.address}: {e.code().name}") from e
 

@@ -38,6 +38,7 @@ class KVHandle:
     num_tokens: int
     lease_expires_at: float = 0.0  # producer's wall clock (time.time())
     release_address: str = ""  # producer service to tell when reading is done
+    lease_token: str = field(default="", repr=False)  # the producer's grant (KVTransport.grant)
 
     @property
     def connector(self) -> str:
@@ -48,7 +49,7 @@ class KVHandle:
                 "descriptor": self.descriptor, "block_ids": list(self.block_ids),
                 "block_hashes": list(self.block_hashes), "num_tokens": self.num_tokens,
                 "lease_expires_at": self.lease_expires_at,
-                "release_address": self.release_address}
+                "release_address": self.release_address, "lease_token": self.lease_token}
 
     def check(self, num_prompt_tokens: int, block_size: int) -> None:
         """Raise ValueError naming the field unless this handle can describe the KV of a
@@ -84,7 +85,8 @@ class KVHandle:
             return cls(str(d["request_id"]), str(d["engine_id"]), dict(d["descriptor"]),
                        tuple(int(b) for b in d["block_ids"]),
                        tuple(int(h) for h in d.get("block_hashes", ())), int(d["num_tokens"]),
-                       float(d.get("lease_expires_at", 0.0)), str(d.get("release_address", "")))
+                       float(d.get("lease_expires_at", 0.0)), str(d.get("release_address", "")),
+                       str(d.get("lease_token", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kv_transfer_params: malformed KV handle ({e})") from e
 
@@ -112,6 +114,9 @@ class KVConnector:
     def make_handle(self, request_id: str, block_ids: list[int], block_hashes: list[int],
                     num_tokens: int, lease_expires_at: float) -> KVHandle | None:
         return None
+
+    def revoke(self, request_id: str) -> None:
+        """A lease ended (released or expired): its blocks are no longer served."""
 
     def start_load(self, request_id: str, handle: KVHandle, remote_block_ids: list[int],
                    local_block_ids: list[int]) -> None:
@@ -150,8 +155,13 @@ class TransportConnector(KVConnector):
                     lease_expires_at) -> KVHandle:
         if self._descriptor is None:
             self._descriptor = self.transport.serve()
+        token = self.transport.grant(request_id, block_ids)
         return KVHandle(request_id, self.transport.engine_id, self._descriptor,
-                        tuple(block_ids), tuple(block_hashes), num_tokens, lease_expires_at)
+                        tuple(block_ids), tuple(block_hashes), num_tokens, lease_expires_at,
+                        lease_token=token)
+
+    def revoke(self, request_id: str) -> None:
+        self.transport.revoke(request_id)
 
     def start_load(self, request_id, handle, remote_block_ids, local_block_ids) -> None:
         self._pool.submit(self._load, request_id, handle, list(remote_block_ids),
@@ -166,7 +176,8 @@ class TransportConnector(KVConnector):
                                       f"this engine reads {self.kind!r}")
             if handle.lease_expires_at and time.time() > handle.lease_expires_at:
                 raise KVTransferError("the producer's lease on these blocks has expired")
-            moved = self.transport.read_blocks(handle.descriptor, remote, local)
+            moved = self.transport.read_blocks(handle.descriptor, remote, local,
+                                               lease=(handle.request_id, handle.lease_token))
             result = LoadResult(request_id, True, "", moved, time.perf_counter() - start, handle)
         except Exception as e:  # noqa: BLE001 - every failure is reported, none is lost
             result = LoadResult(request_id, False, f"{type(e).__name__}: {e}", 0,

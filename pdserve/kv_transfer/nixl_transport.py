@@ -99,7 +99,8 @@ class NixlTransport(KVTransport):
                 self._agent.get_new_notifs()  # progresses the UCX worker for remote peers
 
     # ------------------------------------------------------------------ consumer
-    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun]) -> None:
+    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun],
+                   lease: tuple[str, str]) -> None:
         try:
             base = int(remote["base_addr"])
             dev, mem = int(remote["device_id"]), str(remote["mem_type"])

@@ -78,7 +78,8 @@ class ShmTransport(KVTransport):
             raise KVTransferError("shm transport: allocate_kv_cache() before serve(), and not after close()")
         return self._descriptor(segment=self.segment_path, inode=self._inode, **self._owner)
 
-    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun]) -> None:
+    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun],
+                   lease: tuple[str, str]) -> None:
         src = plane_bytes(self._peer_view(remote, remote_layout))  # (planes, remote_blocks, chunk)
         dst = plane_bytes(self.kv_cache)  # (planes, local_blocks, chunk)
         src_np, dst_np = src.numpy(), dst.numpy()

@@ -7,7 +7,9 @@ sees no intermediate copy.
 
 Wire format (big-endian). Request: "!4sBI" (b"PDKV", op, payload_len) + payload;
   op HELLO=1: payload = producer engine_id (utf-8), checked once per connection;
-  op READ=2: payload = n uint32 block ids.
+  op READ=2: payload = "!HH" (lease id length, token length), the lease id and its token
+    (utf-8), then n uint32 block ids. Served only if the token is the live grant of that
+    lease and the ids are all in it (KVTransport.grant): no lease, no bytes.
 Reply: "!BQ" (status 0=ok/1=error, payload_len) + payload (error: utf-8 message).
 READ payload order: for plane p in 0..layers*2-1 (p = layer*2 + k/v), for each id in request
 order, that block's chunk of that plane.
@@ -34,6 +36,21 @@ OP_HELLO, OP_READ = 1, 2
 REQ = struct.Struct("!4sBI")
 REPLY = struct.Struct("!BQ")
 MAX_REQUEST_BYTES = 1 << 24
+LEASE = struct.Struct("!HH")  # lengths of the lease id and of its token, in a READ
+
+
+def _parse_read(op: int, payload: bytes) -> tuple[str, str, list[int]]:
+    """(lease id, token, block ids) of a READ payload; ValueError if it is not one."""
+    if op != OP_READ or len(payload) < LEASE.size:
+        raise ValueError(f"unknown op {op} or malformed payload")
+    id_len, token_len = LEASE.unpack_from(payload)
+    start = LEASE.size + id_len + token_len
+    if start > len(payload) or (len(payload) - start) % 4:
+        raise ValueError("malformed READ payload")
+    lease_id = payload[LEASE.size:LEASE.size + id_len].decode(errors="replace")
+    token = payload[LEASE.size + id_len:start].decode(errors="replace")
+    ids = list(struct.unpack(f"!{(len(payload) - start) // 4}I", payload[start:]))
+    return lease_id, token, ids
 
 
 def run_views(cache: torch.Tensor, runs: list[tuple[int, int]]) -> list[memoryview]:
@@ -129,9 +146,11 @@ class TcpTransport(KVTransport):
             if want != self.engine_id:
                 return self._reply_error(conn, f"this is engine {self.engine_id!r}, not {want!r}")
             return conn.sendall(REPLY.pack(0, 0))
-        if op != OP_READ or len(payload) % 4:
-            return self._reply_error(conn, f"unknown op {op} or malformed payload")
-        ids = list(struct.unpack(f"!{len(payload) // 4}I", payload))
+        try:
+            lease_id, token, ids = _parse_read(op, payload)
+            self.check_grant(lease_id, token, ids)
+        except (ValueError, KVTransferError) as e:
+            return self._reply_error(conn, str(e))
         cache = self._kv_cache
         if cache is None:
             return self._reply_error(conn, "producer has no KV cache (closed)")
@@ -156,13 +175,17 @@ class TcpTransport(KVTransport):
         conn.sendall(REPLY.pack(1, len(body)) + body)
 
     # ------------------------------------------------------------------ consumer
-    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun]) -> None:
+    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun],
+                   lease: tuple[str, str]) -> None:
         try:
             key = (str(remote["host"]), int(remote["port"]), str(remote["engine_id"]))
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferError(f"malformed tcp descriptor: missing/invalid {e}") from e
         ids = [r + i for r, _, n in runs for i in range(n)]
-        request = REQ.pack(MAGIC, OP_READ, 4 * len(ids)) + struct.pack(f"!{len(ids)}I", *ids)
+        lease_id, token = (part.encode() for part in lease)
+        body = (LEASE.pack(len(lease_id), len(token)) + lease_id + token
+                + struct.pack(f"!{len(ids)}I", *ids))
+        request = REQ.pack(MAGIC, OP_READ, len(body)) + body
         for attempt in (0, 1):
             reused = key in self._peers
             conn = self._connect(key)

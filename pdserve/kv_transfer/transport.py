@@ -15,9 +15,12 @@ Descriptor (common keys; each backend adds its own, see its module):
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from typing import Any, ClassVar, Self
 
 import torch
@@ -133,6 +136,9 @@ class KVTransport(ABC):
         self._kv_cache: torch.Tensor | None = None
         self._read_lock = threading.Lock()
         self._closed = False
+        # Leases this producer serves: lease id -> (token, block ids). See grant().
+        self._grants: dict[str, tuple[str, frozenset[int]]] = {}
+        self._grants_lock = threading.Lock()
 
     # ----------------------------------------------------------------- both sides
     @abstractmethod
@@ -155,14 +161,43 @@ class KVTransport(ABC):
     def serve(self) -> dict[str, Any]:
         """Start serving this engine's cache; return the JSON-serialisable descriptor. Idempotent."""
 
+    def grant(self, lease_id: str, block_ids: Sequence[int]) -> str:
+        """Let a reader presenting the returned token read `block_ids` until `revoke`.
+
+        Transports that serve over a connection (tcp) refuse every read outside a live grant;
+        shm and nixl readers map or register the producer's memory and check nothing per read.
+        """
+        token = secrets.token_urlsafe(32)
+        with self._grants_lock:
+            self._grants[lease_id] = (token, frozenset(int(b) for b in block_ids))
+        return token
+
+    def revoke(self, lease_id: str) -> None:
+        with self._grants_lock:
+            self._grants.pop(lease_id, None)
+
+    def check_grant(self, lease_id: str, token: str, block_ids: Sequence[int]) -> None:
+        """Raise KVTransferError unless `token` is the live grant of `lease_id` and covers
+        every one of `block_ids` (the token is compared in constant time)."""
+        with self._grants_lock:
+            grant = self._grants.get(lease_id)
+        if grant is None or not hmac.compare_digest(grant[0].encode(), token.encode()):
+            raise KVTransferError(f"no live lease {lease_id!r} for this token "
+                                  "(released, expired, or never granted)")
+        outside = [b for b in block_ids if b not in grant[1]]
+        if outside:
+            raise KVTransferError(f"blocks {outside[:8]} are not in lease {lease_id!r}")
+
     def _descriptor(self, **extra: Any) -> dict[str, Any]:
         return {"kind": self.kind, "version": DESCRIPTOR_VERSION, "engine_id": self.engine_id,
                 "layout": self.layout.to_dict(), **extra}
 
     # ----------------------------------------------------------------- consumer side
     def read_blocks(self, remote: dict[str, Any], remote_block_ids: list[int],
-                    local_block_ids: list[int]) -> int:
+                    local_block_ids: list[int], lease: tuple[str, str] = ("", "")) -> int:
         """Copy remote blocks into this engine's cache at `local_block_ids`; return bytes moved.
+
+        `lease` is (lease id, token) from the producer's handle (see `grant`).
 
         Raises KVTransferError on a bad descriptor, out-of-range/mismatched ids, a dead or
         unreachable producer, or a timeout. Never hangs.
@@ -182,11 +217,12 @@ class KVTransport(ABC):
         if not runs:
             return 0
         with self._read_lock:
-            self._read_runs(remote, remote_layout, runs)
+            self._read_runs(remote, remote_layout, runs, lease)
         return len(remote_block_ids) * local_layout.block_bytes
 
     @abstractmethod
-    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun]) -> None:
+    def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun],
+                   lease: tuple[str, str]) -> None:
         """Backend copy of validated, coalesced runs into self.kv_cache."""
 
     # ----------------------------------------------------------------- lifetime

@@ -12,6 +12,7 @@ import threading
 import grpc
 
 from pdserve.proto.pdserve.v1 import engine_pb2_grpc
+from pdserve.services.auth import Credentials, internal_channel
 
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -21,9 +22,11 @@ CHANNEL_OPTIONS = [
 
 
 class ChannelPool:
-    """Cached insecure channels by address, and stubs over them."""
+    """Cached channels by address, and stubs over them; every call carries the cluster
+    secret of `credentials` (when there is one)."""
 
-    def __init__(self):
+    def __init__(self, credentials: Credentials = Credentials()):
+        self.credentials = credentials
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
@@ -31,7 +34,7 @@ class ChannelPool:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = internal_channel(address, self.credentials, CHANNEL_OPTIONS)
                 self._channels[address] = channel
             return channel
 

@@ -32,6 +32,7 @@ from pdserve.router.prefix_index import (
 )
 from pdserve.router.registry import Registry, StaticPoller
 from pdserve.router.routing import Planner, RouterConfig
+from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
 from pdserve.services.grpc_server import GrpcServer, service_name
 from pdserve.services.instance import heartbeat_info
 
@@ -86,7 +87,8 @@ class RouterServer:
 
     def __init__(self, config: RouterConfig, host: str = "127.0.0.1", port: int = 0,
                  prefill: Sequence[str] = (), decode: Sequence[str] = (),
-                 index: PrefixIndex | None = None, tokenizer: Any = None):
+                 index: PrefixIndex | None = None, tokenizer: Any = None,
+                 credentials: Credentials = Credentials()):
         for address in (*prefill, *decode):
             if ":" not in address:
                 raise ValueError(f"--prefill/--decode: expected HOST:PORT, got {address!r}")
@@ -94,12 +96,13 @@ class RouterServer:
             tokenizer = load_tokenizer(resolve_model(config.model))
         self.index = index or create_prefix_index()
         registry = Registry(ttl_s=config.ttl_s)
-        channels = ChannelPool()
+        channels = ChannelPool(credentials)
         self.core = RouterCore(config, registry, Planner(config, registry, self.index.match),
                                channels, tokenizer)
         targets = [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode]
         self.poller = StaticPoller(registry, targets, channels.get, config.poll_interval_s)
-        self.grpc = GrpcServer(host, port, max_workers=256)  # one thread per open stream
+        self.grpc = GrpcServer(host, port, max_workers=256,  # one thread per open stream
+                               credentials=credentials)
         self.grpc.add(router_pb2_grpc.add_RouterServicer_to_server,
                       RouterServicer(self.core, self.index), [service_name(router_pb2, "Router")])
         self.address = self.grpc.address
@@ -140,6 +143,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--redis-url", default=None,
                    help="read the prefix index from this Redis (default: in-process, fed by "
                         "the instances' KV events)")
+    add_credential_args(p, api_keys=True)
     p.set_defaults(func=run_router)
 
 
@@ -150,7 +154,12 @@ def run_router(args: argparse.Namespace) -> int:
                           prefill_timeout_s=args.prefill_timeout_s)
     index = (create_prefix_index(PrefixIndexConfig("redis", args.redis_url))
              if args.redis_url else None)
-    router = RouterServer(config, args.host, args.grpc_port, args.prefill, args.decode, index)
+    try:
+        credentials = credentials_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    router = RouterServer(config, args.host, args.grpc_port, args.prefill, args.decode, index,
+                          credentials=credentials)
     router.start()
     print(f"router listening on {router.address}", flush=True)
     router.serve_until_signal()

@@ -47,7 +47,8 @@ def handle_to_proto(h: KVHandle) -> common_pb2.KVHandle:
         request_id=h.request_id, engine_id=h.engine_id, connector=h.connector,
         descriptor_json=json.dumps(h.descriptor), block_ids=list(h.block_ids),
         block_hashes=list(h.block_hashes), num_tokens=h.num_tokens,
-        lease_expires_at=h.lease_expires_at, release_address=h.release_address)
+        lease_expires_at=h.lease_expires_at, release_address=h.release_address,
+        lease_token=h.lease_token)
 
 
 def handle_from_proto(msg: common_pb2.KVHandle) -> KVHandle:
@@ -59,7 +60,7 @@ def handle_from_proto(msg: common_pb2.KVHandle) -> KVHandle:
         raise ValueError(f"handle.connector: {msg.connector!r} does not match the descriptor")
     return KVHandle(msg.request_id, msg.engine_id, descriptor, tuple(msg.block_ids),
                     tuple(msg.block_hashes), msg.num_tokens, msg.lease_expires_at,
-                    msg.release_address)
+                    msg.release_address, msg.lease_token)
 
 
 def logprobs_to_proto(entry: dict[int, Logprob] | None,

@@ -12,13 +12,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto.pdserve.v1 import common_pb2
+from pdserve.services.auth import AuthInterceptor, Credentials
 
 
 class GrpcServer:
     """A threaded gRPC server with health and reflection, bound to host:port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_workers: int = 32):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
+                 credentials: Credentials | None = None):
+        """`credentials`: who may call which method (auth.py); None: anyone."""
+        interceptors = [AuthInterceptor(credentials)] if credentials is not None else []
         self.server = grpc.server(ThreadPoolExecutor(max_workers=max_workers),
+                                  interceptors=interceptors,
                                   options=[("grpc.so_reuseport", 0)])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -18,6 +18,7 @@ from pdserve.kv_transfer.connector import KVConnector, KVHandle, TransportConnec
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
 from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
+from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
 from pdserve.services.grpc_server import GrpcServer, load_message
 from pdserve.services.kv_event_publisher import KVEventPublisher, RouterSink
 
@@ -29,11 +30,13 @@ class Instance:
 
     def __init__(self, role: str, engine_args: EngineArgs, connector_kind: str,
                  host: str = "127.0.0.1", port: int = 0, instance_id: str | None = None,
-                 router: str | None = None, redis_url: str | None = None):
+                 router: str | None = None, redis_url: str | None = None,
+                 credentials: Credentials = Credentials()):
         self.role = role
         self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
-        self.channels = ChannelPool()
-        self.server = GrpcServer(host, port, max_workers=128)  # one thread per open stream
+        self.channels = ChannelPool(credentials)
+        self.server = GrpcServer(host, port, max_workers=128,  # one thread per open stream
+                                 credentials=credentials)
         self.address = self.server.address
         self.connector_kind = connector_kind
         self.connector = self._make_connector(connector_kind, host)
@@ -133,14 +136,19 @@ def add_instance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-id", default=None)
     parser.add_argument("--redis-url", default=None,
                         help="publish KV events and heartbeats to this Redis prefix index")
+    add_credential_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
 def run_instance(role: str, args: argparse.Namespace, register) -> int:
     """Build, serve until SIGTERM/SIGINT, stop. `register(instance)` adds the servicer."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        credentials = credentials_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     instance = Instance(role, EngineArgs.from_cli_args(args), args.connector, args.host,
-                        args.port, args.instance_id, args.router, args.redis_url)
+                        args.port, args.instance_id, args.router, args.redis_url, credentials)
     register(instance)
     instance.start()
     print(f"{role} {instance.instance_id} listening on {instance.address}", flush=True)

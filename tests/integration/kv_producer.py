@@ -18,6 +18,7 @@ import sys
 import torch
 
 DESCRIPTOR_PREFIX = "DESCRIPTOR "
+GRANTS_PREFIX = "GRANTS "
 
 
 def fill_cache(layout_dict: dict, seed: int) -> torch.Tensor:
@@ -39,10 +40,17 @@ def main() -> None:
     cache = transport.allocate_kv_cache(KVLayout.from_dict(layout_dict))
     cache.copy_(fill_cache(layout_dict, int(seed)))
     descriptor = transport.serve()
+    # Two leases, as a prefill engine grants them: every block, and blocks 1 and 2 only.
+    grants = {"all": transport.grant("all", range(layout_dict["num_blocks"])),
+              "small": transport.grant("small", [1, 2])}
     print(DESCRIPTOR_PREFIX + json.dumps(descriptor), flush=True)
+    print(GRANTS_PREFIX + json.dumps(grants), flush=True)
     for line in sys.stdin:
         command = line.strip()
-        if command == "close":
+        if command.startswith("revoke "):
+            transport.revoke(command.split()[1])
+            print("REVOKED", flush=True)
+        elif command == "close":
             transport.close()
             print("CLOSED", flush=True)
         elif command == "exit":

@@ -26,7 +26,7 @@ from pdserve.kv_transfer import (
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from kv_producer import DESCRIPTOR_PREFIX, fill_cache
+from kv_producer import DESCRIPTOR_PREFIX, GRANTS_PREFIX, fill_cache
 
 NO_NIXL = pytest.mark.skipif(not nixl_available(), reason="nixl not importable (pip install nixl==1.5.1)")
 
@@ -55,6 +55,9 @@ class Producer:
              json.dumps(layout), str(seed), json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         self.descriptor = json.loads(self.expect(DESCRIPTOR_PREFIX)[len(DESCRIPTOR_PREFIX):])
+        grants = json.loads(self.expect(GRANTS_PREFIX)[len(GRANTS_PREFIX):])
+        self.lease = ("all", grants["all"])  # (lease id, token) over every block
+        self.small_lease = ("small", grants["small"])  # over blocks 1 and 2
 
     def expect(self, prefix: str, timeout: float = WAIT_S) -> str:
         """The next stdout line starting with `prefix` (other lines, e.g. library logs, skipped)."""
@@ -115,7 +118,7 @@ def test_transport_contract(kind: str, dtype: str, ending: str) -> None:
         with consumer(kind, layout, timeout_s=3.0) as dec:
             desc = producer.descriptor
             assert desc["kind"] == kind and desc["layout"] == layout
-            moved = dec.read_blocks(desc, REMOTE_IDS, LOCAL_IDS)
+            moved = dec.read_blocks(desc, REMOTE_IDS, LOCAL_IDS, producer.lease)
             block_bytes = KVLayout(**layout).block_bytes
             assert moved == len(REMOTE_IDS) * block_bytes
             want = producer.expected()  # (layers, 2, 24, ...)
@@ -126,12 +129,13 @@ def test_transport_contract(kind: str, dtype: str, ending: str) -> None:
 
             # Out of range is a clean error; the producer keeps serving afterwards.
             with pytest.raises(KVTransferError, match="out of range"):
-                dec.read_blocks(desc, [2, LAYOUT["num_blocks"]], [0, 1])
+                dec.read_blocks(desc, [2, LAYOUT["num_blocks"]], [0, 1], producer.lease)
             assert not got[:, :, [0, 1]].any()
-            assert dec.read_blocks(desc, [1, 2], [0, 1]) == 2 * block_bytes
+            assert dec.read_blocks(desc, [1, 2], [0, 1], producer.small_lease) == 2 * block_bytes
             assert torch.equal(got[:, :, [0, 1]], want[:, :, [1, 2]])
             if kind == "tcp":
                 check_tcp_server_rejects_bad_requests(producer)
+                check_tcp_serves_only_live_leases(producer, dec)
             assert producer.proc.poll() is None
 
             if ending == "close":
@@ -151,10 +155,10 @@ def check_read_after_close(producer: Producer, dec) -> None:
     if desc["kind"] == "shm":
         assert not os.path.exists(desc["segment"])
         with pytest.raises(KVTransferError, match="gone"):
-            dec.read_blocks(desc, [1], [0])
+            dec.read_blocks(desc, [1], [0], producer.lease)
     elif desc["kind"] == "tcp":
         with pytest.raises(KVTransferError):
-            dec.read_blocks(desc, [1], [0])
+            dec.read_blocks(desc, [1], [0], producer.lease)
 
 
 def check_dead_producer_fails_fast(producer: Producer, dec) -> None:
@@ -163,7 +167,7 @@ def check_dead_producer_fails_fast(producer: Producer, dec) -> None:
     producer.kill()
     start = time.monotonic()
     with pytest.raises(KVTransferError):
-        dec.read_blocks(desc, [1, 2], [3, 4])
+        dec.read_blocks(desc, [1, 2], [3, 4], producer.lease)
     assert time.monotonic() - start < 5.0
     if desc["kind"] == "shm":  # the consumer removed the segment its dead owner left behind
         assert not os.path.exists(desc["segment"])
@@ -181,7 +185,7 @@ def test_shm_segment_removed_at_exit_without_close() -> None:
 def check_tcp_server_rejects_bad_requests(producer: Producer) -> None:
     """Raw requests the client never sends: the server answers errors and keeps serving."""
     from pdserve.kv_transfer.socket_io import recv_exact
-    from pdserve.kv_transfer.tcp_transport import MAGIC, OP_HELLO, OP_READ, REPLY, REQ
+    from pdserve.kv_transfer.tcp_transport import LEASE, MAGIC, OP_HELLO, OP_READ, REPLY, REQ
 
     desc = producer.descriptor
     with socket.create_connection((desc["host"], desc["port"]), timeout=WAIT_S) as s:
@@ -190,14 +194,38 @@ def check_tcp_server_rejects_bad_requests(producer: Producer) -> None:
             status, length = REPLY.unpack(recv_exact(s, REPLY.size))
             return status, recv_exact(s, length)
 
+        def read(ids: list[int], lease: tuple[str, str]) -> tuple[int, bytes]:
+            lease_id, token = (part.encode() for part in lease)
+            return ask(OP_READ, LEASE.pack(len(lease_id), len(token)) + lease_id + token
+                       + struct.pack(f"!{len(ids)}I", *ids))
+
         assert ask(OP_HELLO, b"someone-else")[0] == 1
-        status, body = ask(OP_READ, struct.pack("!2I", 1, 10_000))
-        assert status == 1 and b"out of range" in body
-        status, body = ask(OP_READ, struct.pack("!1I", 1))
+        status, body = read([1, 10_000], producer.lease)
+        assert status == 1 and b"not in lease" in body
+        status, body = ask(OP_READ, struct.pack("!1I", 1))  # the old, lease-less request
+        assert status == 1
+        status, body = read([1], producer.lease)
         assert status == 0 and len(body) == KVLayout.from_dict(desc["layout"]).block_bytes
         s.sendall(b"JUNK" + bytes(5))
         status, length = REPLY.unpack(recv_exact(s, REPLY.size))
         assert status == 1 and b"bad request" in recv_exact(s, length)
+
+
+def check_tcp_serves_only_live_leases(producer: Producer, dec) -> None:
+    """Prompt theft: whoever can reach the port gets no block without the lease's token,
+    none outside the lease, and none once the lease is revoked."""
+    desc = producer.descriptor
+    for lease, ids in [(("", ""), [1]), (("all", "guess"), [1]), (("small", producer.lease[1]), [1]),
+                       (producer.small_lease, [1, 3])]:
+        with pytest.raises(KVTransferError, match="lease"):
+            dec.read_blocks(desc, ids, [7] if len(ids) == 1 else [7, 8], lease)
+        assert not dec.kv_cache[:, :, [7, 8]].any()
+    producer.send("revoke small")
+    producer.expect("REVOKED")
+    with pytest.raises(KVTransferError, match="no live lease"):
+        dec.read_blocks(desc, [1, 2], [7, 8], producer.small_lease)
+    assert dec.read_blocks(desc, [1, 2], [7, 8], producer.lease) > 0  # the other lease lives
+    dec.kv_cache[:, :, [7, 8]] = 0
 
 
 def test_contract_errors_without_processes() -> None:

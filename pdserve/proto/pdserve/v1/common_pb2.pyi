@@ -82,7 +82,7 @@ class PositionLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "engine_id", "connector", "descriptor_json", "block_ids", "block_hashes", "num_tokens", "lease_expires_at", "release_address")
+    __slots__ = ("request_id", "engine_id", "connector", "descriptor_json", "block_ids", "block_hashes", "num_tokens", "lease_expires_at", "release_address", "lease_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     engine_id: str
     connector: str
@@ -101,7 +102,8 @@ class KVHandle(_message.Message):
     num_tokens: int
     lease_expires_at: float
     release_address: str
-    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., connector: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., release_address: _Optional[str] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., connector: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., release_address: _Optional[str] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -1,0 +1,115 @@
+"""Two credentials on a real 1P1D cluster: the cluster secret on the internal plane, API keys
+on the router's public methods. Each attack of an outsider on the same network is refused with
+UNAUTHENTICATED, and the cluster keeps serving correct answers to a client with a key."""
+
+import secrets
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import Cluster, ClusterSpec
+from pdserve.proto.pdserve.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+from pdserve.services.auth import TOKEN_HEADER
+
+API_KEY = "sk-test-" + secrets.token_hex(8)
+SECRET = secrets.token_hex(32)
+PROMPT = list(range(3000, 3040))
+GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+DENIED = grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def cluster(request, tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(f"auth-{request.param}")
+    key_file = logs / "api_keys"
+    key_file.write_text(f"# client keys\nsk-other-key-123\n{API_KEY}\n")
+    spec = ClusterSpec(model=str(tiny_model_dir), connector=request.param, grpc_port=0,
+                       disagg_threshold=16, kv_cache_memory_bytes=8 << 20,
+                       startup_timeout_s=90, log_dir=str(logs), cluster_secret=SECRET,
+                       router_args=("--api-key-file", str(key_file)))
+    with Cluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def want(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_cache_memory_bytes=8 << 20)
+    return llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def router(cluster):
+    return router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+
+
+def generate(cluster, metadata=()):
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT),
+                                         sampling=GREEDY)
+    msgs = list(router(cluster).Generate(request, timeout=30, metadata=metadata))
+    return [t for m in msgs for t in m.token_ids], msgs[-1]
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+def test_client_with_a_key_is_served_and_one_without_is_not(cluster, want):
+    tokens, last = generate(cluster, [("authorization", f"Bearer {API_KEY}")])
+    assert tokens == want and last.served_by.disaggregated
+    assert code_of(lambda: generate(cluster)) == DENIED
+    assert code_of(lambda: generate(cluster, [("authorization", "Bearer sk-guess")])) == DENIED
+    listing = router_pb2.ListInstancesRequest()
+    assert code_of(lambda: router(cluster).ListInstances(listing, timeout=5)) == DENIED
+
+
+def test_fake_instance_cannot_register(cluster, want):
+    fake = common_pb2.Load(instance_id="decode-evil", role="decode", address="127.0.0.1:9",
+                           total_blocks=10**6, free_blocks=10**6, block_size=16,
+                           connector=cluster.spec.connector)
+    assert code_of(lambda: router(cluster).Heartbeat(fake, timeout=5)) == DENIED
+    assert code_of(lambda: router(cluster).Heartbeat(
+        fake, timeout=5, metadata=[(TOKEN_HEADER, "0" * 64)])) == DENIED
+    events = router_pb2.KVEventBatch(instance_id="decode-evil", seq=1)
+    assert code_of(lambda: router(cluster).PublishKVEvents(events, timeout=5)) == DENIED
+    listed = router(cluster).ListInstances(router_pb2.ListInstancesRequest(), timeout=5,
+                                           metadata=[("authorization", f"Bearer {API_KEY}")])
+    assert {i.instance_id for i in listed.instances} == {"prefill-0", "decode-0"}
+    for _ in range(3):  # every request still goes to the real instances
+        tokens, last = generate(cluster, [("authorization", f"Bearer {API_KEY}")])
+        assert tokens == want and last.served_by.decode_instance == "decode-0"
+
+
+def test_instances_refuse_calls_without_the_cluster_secret(cluster, want):
+    prefill = cluster.child("prefill-0").address
+    decode = cluster.child("decode-0").address
+    p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill))
+    d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode))
+    req = engine_pb2.PrefillRequest(request_id="steal", prompt_token_ids=PROMPT, sampling=GREEDY)
+    assert code_of(lambda: p.Prefill(req, timeout=10)) == DENIED
+    assert code_of(lambda: p.GetLoad(common_pb2.LoadRequest(), timeout=5)) == DENIED
+    assert code_of(lambda: p.Release(engine_pb2.ReleaseRequest(request_id="x"), timeout=5)) \
+        == DENIED
+    assert code_of(lambda: list(d.Decode(engine_pb2.DecodeRequest(
+        request_id="d", prompt_token_ids=PROMPT, sampling=GREEDY), timeout=10))) == DENIED
+    assert code_of(lambda: d.Abort(common_pb2.AbortRequest(request_id="x"), timeout=5)) \
+        == DENIED
+    # Health probes stay open; a peer with the secret is served.
+    for address in (prefill, decode, cluster.router_address):
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    load = p.GetLoad(common_pb2.LoadRequest(), timeout=5, metadata=[(TOKEN_HEADER, SECRET)])
+    assert load.instance_id == "prefill-0"
+    # The cluster secret is also accepted on the public surface (a gateway in the cluster).
+    tokens, _ = generate(cluster, [(TOKEN_HEADER, SECRET)])
+    assert tokens == want
