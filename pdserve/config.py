@@ -29,15 +29,42 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class TokenizerConfig:
+    """Where the tokenizer's files are, how to load them, and the chat template to use
+    (the template's text; None: the tokenizer's own)."""
+
+    source: ResolvedModel
+    mode: str = "auto"  # "auto" / "hf": the fast tokenizer; "slow": the Python one
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which weights, tokenizer and numeric type; `arch` is read from the model's config."""
 
-    model: str  # what the user asked for; the served model name
+    model: str  # what the user asked for
     resolved: ResolvedModel  # where its files are
     arch: ModelArch
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
+    tokenizer: TokenizerConfig | None = None  # None: the model's own, as is
+    max_logprobs: int = 20  # per position, for logprobs and prompt_logprobs; -1: no cap
+    served_model_name: tuple[str, ...] = ()  # names the API answers to; () means `model`
+
+    def __post_init__(self) -> None:
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or non-negative, "
+                             f"got {self.max_logprobs}")
+
+    @property
+    def served_name(self) -> str:
+        """The name the API reports: the first served_model_name, else `model`."""
+        return self.served_model_name[0] if self.served_model_name else self.model
+
+    @property
+    def tokenizer_config(self) -> TokenizerConfig:
+        return self.tokenizer or TokenizerConfig(self.resolved)
 
     @staticmethod
     def resolve_dtype(dtype: str | torch.dtype, arch: ModelArch, device: str) -> torch.dtype:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,17 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(name: str, value: Any) -> float:
+    """`value` as a float; ValueError naming `name` if it is not a number, or NaN or ±inf
+    (which would poison the logits: vLLM advisory GHSA-7h4p-rffg-7823)."""
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
 
 
 def _parse_token_id(key: Any) -> int | None:
@@ -118,10 +130,7 @@ class SamplingParams:
             self.top_k = 0
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
                      "temperature", "top_p", "min_p"):
-            value = getattr(self, name)
-            if not _is_number(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            setattr(self, name, float(value))
+            setattr(self, name, _finite(name, getattr(self, name)))
         if 0 < self.temperature < _MIN_TEMP:
             logger.warning("temperature %s is below %s; raised to %s to avoid inf/nan",
                            self.temperature, _MIN_TEMP, _MIN_TEMP)
@@ -147,9 +156,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if token_id < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}")
-            if not _is_number(value):
-                raise ValueError(
-                    f"logit_bias values must be numbers, got {value!r} for token {token_id}")
+            if not _is_number(value) or not math.isfinite(value):
+                raise ValueError(f"logit_bias values must be finite numbers, got {value!r} "
+                                 f"for token {token_id}")
             out[token_id] = float(value)
         return out
 
@@ -224,6 +233,17 @@ class SamplingParams:
                         f"(vocab size {vocab_size})")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError(f"allowed_token_ids must not be empty, got {self.allowed_token_ids!r}")
+
+    def verify_max_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
+        """Raise ValueError if logprobs or prompt_logprobs asks for more than `max_logprobs`
+        per position (-1 asks for the whole vocabulary; `max_logprobs=-1` means no cap)."""
+        if max_logprobs == -1:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (vocab_size if value == -1 else value) > max_logprobs:
+                raise ValueError(f"{name}: {value} requested, more than max_logprobs="
+                                 f"{max_logprobs} (an engine option)")
 
     def clone(self) -> SamplingParams:
         """A deep copy."""

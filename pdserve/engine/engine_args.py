@@ -5,18 +5,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                            SchedulerConfig, available_memory_bytes, kv_bytes_per_block)
-from pdserve.models.loader import DEFAULT_MODEL, load_arch, resolve_model
+                            SchedulerConfig, TokenizerConfig, available_memory_bytes,
+                            kv_bytes_per_block)
+from pdserve.engine import vllm_args
+from pdserve.models.loader import (DEFAULT_MODEL, HfOverrides, ResolvedModel, load_arch,
+                                   resolve_model, resolve_tokenizer)
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 @dataclass
 class EngineArgs:
-    """Options for one engine, with vLLM's names where vLLM has them."""
+    """Options for one engine, with vLLM's names and meanings where vLLM has them.
+
+    The vLLM arguments after `device` are accepted for compatibility: those that cannot apply
+    here are ignored with one log line (`vllm_args._IGNORED`), unsupported values raise
+    ValueError naming the argument. README.md lists what each one does.
+    """
 
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -34,10 +44,39 @@ class EngineArgs:
     kv_lease_s: float = 30.0
     kv_failure_policy: str = "recompute"
     device: str = "auto"
+    # vLLM's arguments
+    tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
+    chat_template: str | None = None
+    max_logprobs: int = 20
+    served_model_name: str | list[str] | None = None
+    hf_overrides: HfOverrides | None = None
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    trust_remote_code: bool = False
+    revision: str | None = None
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int | None = None
+    compilation_config: int | dict | None = None
+    disable_custom_all_reduce: bool = False
+    swap_space: float | None = None
+    cpu_offload_gb: float = 0
+    disable_log_stats: bool = False
+
+    def create_tokenizer_config(self, resolved: ResolvedModel | None = None) -> TokenizerConfig:
+        """The tokenizer to load: `tokenizer` if given, else the model's (`resolved`)."""
+        if self.tokenizer:
+            source = resolve_tokenizer(self.tokenizer)
+        else:
+            source = resolved or resolve_model(self.model)
+        return TokenizerConfig(source, self.tokenizer_mode,
+                               vllm_args.load_chat_template(self.chat_template))
 
     def create_engine_config(self) -> EngineConfig:
         resolved = resolve_model(self.model)
-        arch = load_arch(resolved)
+        vllm_args.check_args(self, resolved)
+        arch = load_arch(resolved, self.hf_overrides)
         device = DeviceConfig.detect() if self.device == "auto" else DeviceConfig(self.device)
         max_len = self.max_model_len or arch.max_position_embeddings
         if not 1 < max_len <= arch.max_position_embeddings:
@@ -46,30 +85,70 @@ class EngineArgs:
         model = ModelConfig(
             model=self.model, resolved=resolved, arch=arch,
             dtype=ModelConfig.resolve_dtype(self.dtype, arch, device.device),
-            max_model_len=max_len, seed=self.seed)
+            max_model_len=max_len, seed=self.seed,
+            tokenizer=self.create_tokenizer_config(resolved), max_logprobs=self.max_logprobs,
+            served_model_name=vllm_args.served_names(self.served_model_name))
         cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                     self.scheduling_policy, self.enable_chunked_prefill,
                                     self.kv_lease_s, self.kv_failure_policy)
-        return EngineConfig(model, cache, scheduler, device)
+        config = EngineConfig(model, cache, scheduler, device)
+        vllm_args.log_ignored(self)
+        return config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add one `--flag` per field (dashes for underscores), with the same defaults."""
+        """Add one `--flag` per field (dashes for underscores), with the same defaults:
+        booleans as `--flag` / `--no-flag`, lists as `--flag A [B ...]`, dicts as JSON."""
         for f in dataclasses.fields(EngineArgs):
             flag = "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"default": f.default, "help": _HELP.get(f.name)}
             if f.type == "bool":
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                    default=f.default)
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.type in _CLI_KINDS:
+                kwargs.update(_CLI_KINDS[f.type])
             else:
-                kind = {"int": int, "float": float, "int | None": int}.get(f.type, str)
-                parser.add_argument(flag, type=kind, default=f.default)
+                raise TypeError(f"EngineArgs.{f.name}: no CLI form for type {f.type!r}")
+            parser.add_argument(flag, **kwargs)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+
+
+# How a field's type reads from the command line (bool fields: --flag / --no-flag).
+_CLI_KINDS: dict[str, dict[str, Any]] = {
+    "str": {"type": str}, "str | None": {"type": str},
+    "int": {"type": int}, "int | None": {"type": int},
+    "float": {"type": float}, "float | None": {"type": float},
+    "str | list[str] | None": {"nargs": "+", "metavar": "NAME"},
+    "HfOverrides | None": {"type": _json, "metavar": "JSON"},
+    "int | dict | None": {"type": _json, "metavar": "LEVEL|JSON"},
+}
+_IGNORED_HELP = "accepted for vLLM compatibility; ignored here (logged once)"
+_HELP = {
+    "tokenizer": "the tokenizer's directory or model (default: the model's)",
+    "tokenizer_mode": "auto or hf (fast tokenizer), slow (transformers' use_fast=False)",
+    "skip_tokenizer_init": "only False is supported",
+    "chat_template": "a Jinja chat template, or a file holding one (default: the model's)",
+    "max_logprobs": "the most logprobs / prompt_logprobs a request may ask for (-1: no cap)",
+    "served_model_name": "the model name(s) the API answers to; the first one is reported",
+    "hf_overrides": "JSON of config attributes overriding the model's config",
+    "quantization": "None, or gguf for a .gguf model (dequantized when loaded)",
+    "tensor_parallel_size": "only 1 is supported",
+    "pipeline_parallel_size": "only 1 is supported",
+    "disable_log_stats": "pdserve logs no periodic stats anyway; /metrics is unaffected",
+    **{name: _IGNORED_HELP for name in vllm_args.ignored_names()},
+}
 
 
 def num_kv_blocks(config: EngineConfig) -> int:

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.vllm_args import load_chat_template
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
@@ -17,13 +18,12 @@ from pdserve.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """An LLM for generating texts from prompts, batching them continuously.
 
-    Keyword arguments are EngineArgs fields (dtype, seed, kv_cache_memory_bytes,
-    max_model_len, max_num_seqs, ...).
+    Keyword arguments are EngineArgs fields: pdserve's (kv_cache_memory_bytes, ...) and
+    vLLM's (dtype, seed, tokenizer, chat_template, max_logprobs, enforce_eager, ...); see the
+    README for what each vLLM argument does here.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any):
-        if kwargs.pop("tensor_parallel_size", 1) != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
     def get_tokenizer(self):
@@ -34,8 +34,12 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
-        """Generate completions for one prompt or a list; outputs keep the input order."""
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for one prompt or a list; outputs keep the input order.
+
+        `priority` (with scheduling_policy="priority"; lower runs first): an int for every
+        prompt, or a list with one per prompt.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -48,16 +52,16 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for "
                                  f"{len(prompts)} prompts")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
-        ids = self._add_all(prompts, params, priority)
+        ids = self._add_all(prompts, params, _priorities(priority, len(prompts)))
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams]
              | None = None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list, then generate."""
+        """Apply the chat template (`chat_template`: a Jinja template or a file holding one;
+        default: the engine's `chat_template` argument, else the model's) to one conversation
+        or a list, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(
             c, chat_template, add_generation_prompt, continue_final_message,
@@ -74,7 +78,7 @@ class LLM:
                 raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
         tokenizer = self.get_tokenizer()
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False,
+            conversation, chat_template=load_chat_template(chat_template), tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         return tokenizer.encode(text, add_special_tokens=False)
@@ -114,3 +118,16 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int] | None:
+    """One priority per prompt from vLLM's `priority` argument (an int applies to all)."""
+    if priority is None:
+        return None
+    values = [priority] * count if isinstance(priority, int) else list(priority)
+    if len(values) != count:
+        raise ValueError(f"priority: {len(values)} given for {count} prompts")
+    for value in values:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"priority: must be an int or a list of ints, got {value!r}")
+    return values

@@ -43,7 +43,8 @@ class LLMEngine:
                  connector: KVConnector | None = None):
         self.config = config
         self.connector = connector or KVConnector()
-        self.tokenizer = load_tokenizer(config.model.resolved)
+        tok = config.model.tokenizer_config
+        self.tokenizer = load_tokenizer(tok.source, tok.mode, tok.chat_template)
         self.model = load_model(config)
         self.num_blocks = num_kv_blocks(config)
         self.block_pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching,
@@ -75,6 +76,9 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError("priority: only allowed with scheduling_policy='priority'")
+        if isinstance(params, SamplingParams):
+            params.verify_max_logprobs(self.config.model.max_logprobs,
+                                       self.config.model.arch.vocab_size)
         text, ids = self.input_processor.tokenize_prompt(prompt)
         children = self.input_processor.make_requests(request_id, ids, params, arrival_time,
                                                       priority, kv_transfer_params)

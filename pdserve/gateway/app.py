@@ -8,7 +8,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -135,22 +135,28 @@ def _install_error_handlers(app: FastAPI) -> None:
                                         "internal_error", code="internal_error"))
 
 
-def build_app(backend: Backend, model_name: str, api_key: str | None = None, *,
-              tokenizer=None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | None = None,
+              *, tokenizer=None, max_logprobs: int | None = None,
+              max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               metrics: GatewayMetrics | None = None, close_backend: bool = True) -> FastAPI:
-    """The OpenAI-format app over `backend`, serving it as `model_name`. The tokenizer (for
-    chat templates and prompt lengths) is loaded from the backend's model when not given;
-    the backend is closed when the app shuts down unless `close_backend` is False."""
+    """The OpenAI-format app over `backend`, serving it as `model_name` (vLLM's
+    served_model_name: a name, or names of which the first is reported). The tokenizer (for
+    chat templates and prompt lengths) is the backend's when not given; `max_logprobs` bounds
+    what a request may ask for (default: the backend's). The backend is closed when the app
+    shuts down unless `close_backend` is False."""
     info = backend.models()[0]
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names:
+        raise ValueError("served_model_name: at least one name is needed")
+    model_name = names[0]
     if tokenizer is None:
-        from pdserve.models.loader import load_tokenizer, resolve_model
-
-        tokenizer = load_tokenizer(resolve_model(info.root))
+        tokenizer = backend.load_tokenizer()
     metrics = metrics or GatewayMetrics(model_name)
-    ctx = ServingContext(backend, tokenizer, model_name, info.max_model_len, metrics)
+    ctx = ServingContext(backend, tokenizer, model_name, info.max_model_len, metrics,
+                         info.max_logprobs if max_logprobs is None else max_logprobs)
     admission = Admission(max_concurrency)
-    served_names = {model_name, info.id, info.root}
+    served_names = {*names, info.id, info.root}
     created = int(time.time())
 
     @contextlib.asynccontextmanager

@@ -107,6 +107,7 @@ class ModelInfo:
     id: str
     root: str
     max_model_len: int
+    max_logprobs: int = 20  # the most logprobs a request may ask for (-1: no cap)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def models(self) -> list[ModelInfo]:
         """The model(s) served, first the default one."""
+
+    def load_tokenizer(self):
+        """A tokenizer for the gateway's own use (chat templates, prompt lengths): by default
+        the default model's, loaded from its `root`."""
+        from pdserve.models.loader import load_tokenizer, resolve_model
+
+        return load_tokenizer(resolve_model(self.models()[0].root))
 
     @abc.abstractmethod
     async def stats(self) -> BackendStats:

@@ -34,7 +34,7 @@ class ChatRun:
                                           req.add_generation_prompt, req.continue_final_message,
                                           req.chat_template_kwargs)
         max_tokens = ctx.max_tokens(len(self.prompt_ids), req.requested_max_tokens, "messages")
-        self.params = req.sampling_params(max_tokens)
+        self.params = req.sampling_params(max_tokens, ctx.max_logprobs)
         self.k = req.top_logprobs or 0
 
     async def start(self) -> Generation:

@@ -36,7 +36,8 @@ class CompletionRun:
         prompts = req.prompts()
         self.prompt_ids = [ctx.encode(p) if isinstance(p, str) else p for p in prompts]
         self.prompt_texts = [p if isinstance(p, str) else None for p in prompts]
-        self.requests = [(ids, req.sampling_params(ctx.max_tokens(len(ids), req.max_tokens)))
+        self.requests = [(ids, req.sampling_params(ctx.max_tokens(len(ids), req.max_tokens),
+                                                   ctx.max_logprobs))
                          for ids in self.prompt_ids]
         if req.echo and req.logprobs is not None and not ctx.backend.supports_prompt_logprobs:
             raise bad_request("echo: prompt logprobs are not available from this backend",

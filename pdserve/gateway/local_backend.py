@@ -40,7 +40,9 @@ class LocalBackend(Backend):
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LocalBackend:
-        return cls(LLMEngine.from_engine_args(engine_args), engine_args.model)
+        """An engine built from `engine_args`, served as its served_model_name (or model)."""
+        engine = LLMEngine.from_engine_args(engine_args)
+        return cls(engine, engine.config.model.served_name)
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
@@ -75,7 +77,15 @@ class LocalBackend(Backend):
 
     def models(self) -> list[ModelInfo]:
         cfg = self.engine.config.model
-        return [ModelInfo(self.model, cfg.resolved.path, cfg.max_model_len)]
+        return [ModelInfo(self.model, cfg.resolved.path, cfg.max_model_len, cfg.max_logprobs)]
+
+    def load_tokenizer(self):
+        """The engine's tokenizer (its path, mode and chat template), as a second instance:
+        the engine's own is used on the engine's thread."""
+        from pdserve.models.loader import load_tokenizer
+
+        tok = self.engine.config.model.tokenizer_config
+        return load_tokenizer(tok.source, tok.mode, tok.chat_template)
 
     async def stats(self) -> BackendStats:
         s = await self._call(self.loop.stats)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 class APIError(Exception):
@@ -31,6 +31,12 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def _check_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
+    if value is not None and max_logprobs != -1 and value > max_logprobs:
+        raise bad_request(f"{name}: {value} requested, more than max_logprobs={max_logprobs} "
+                          f"(a server option)", name)
 
 
 class _Body(BaseModel):
@@ -105,7 +111,7 @@ class _SamplingRequest(_Body):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -123,7 +129,10 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("prompt: must not be empty", "prompt")
         return prompts
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None,
+                        max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+        """The request's SamplingParams; APIError 400 naming the field when one is bad."""
+        _check_logprobs("logprobs", self.logprobs, max_logprobs)
         if self.suffix is not None:
             raise bad_request("suffix: not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -158,13 +167,16 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None,
+                        max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+        """The request's SamplingParams; APIError 400 naming the field when one is bad."""
+        _check_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
         if self.tools:
             raise bad_request("tools: tool calling is not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:

@@ -1,8 +1,11 @@
 """`pdserve serve`: one colocated engine behind the OpenAI-format HTTP API, until SIGTERM or
 Ctrl-C.
 
-    pdserve serve --model SmolLM2-135M-Instruct --port 8000 [--api-key K] [--max-concurrency N]
+    pdserve serve [MODEL | --model MODEL] --port 8000 [--api-key K] [--max-concurrency N]
     pdserve serve --model M --router 127.0.0.1:50051      # only the HTTP front of a cluster
+
+The engine flags are EngineArgs' (vLLM's names: --served-model-name, --chat-template,
+--max-logprobs, --enforce-eager, ...).
 
 Also `python -m pdserve.gateway.server [flags]`. `add_gateway_args` and `serve_http` are
 shared with `pdserve up`, which puts the same app in front of a router.
@@ -18,6 +21,7 @@ import sys
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
+from pdserve.models.loader import DEFAULT_MODEL
 
 DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 5
@@ -29,8 +33,6 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (off by default)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients use in 'model' (default: --model)")
     parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                         help="requests in flight beyond which new ones get HTTP 429")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -67,31 +69,63 @@ def serve_http(app, host: str, port: int, log_level: str = "info") -> int:
     return 0
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from pdserve.gateway.app import build_app
+def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine options of `pdserve serve`; the model given as `pdserve serve MODEL` (as
+    `vllm serve MODEL`) or as --model."""
+    engine_args = EngineArgs.from_cli_args(args)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if engine_args.model not in (DEFAULT_MODEL, tag):
+            raise ValueError(f"model: given twice, as {tag!r} and as --model "
+                             f"{engine_args.model!r}")
+        engine_args.model = tag
+    return engine_args
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+def build_serve_app(args: argparse.Namespace):
+    """The app `pdserve serve` serves: over a local engine, or over a cluster's router."""
+    from pdserve.engine import vllm_args
+    from pdserve.gateway.app import build_app
+    from pdserve.models.loader import load_tokenizer, resolve_model
+
+    engine_args = serve_engine_args(args)
     if args.router:
         from pdserve.gateway.router_backend import RouterBackend
 
-        backend = RouterBackend(args.router, args.model, args.max_model_len)
+        resolved = resolve_model(engine_args.model)
+        vllm_args.check_args(engine_args, resolved)
+        tok = engine_args.create_tokenizer_config(resolved)
+        backend = RouterBackend(args.router, engine_args.model, engine_args.max_model_len)
+        tokenizer = load_tokenizer(tok.source, tok.mode, tok.chat_template)
+        names = vllm_args.served_names(engine_args.served_model_name) or (engine_args.model,)
     else:
         from pdserve.gateway.local_backend import LocalBackend
 
-        backend = LocalBackend.from_engine_args(EngineArgs.from_cli_args(args))
-    app = build_app(backend, args.served_model_name or args.model, args.api_key,
-                    max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes)
-    return serve_http(app, args.host, args.port, args.log_level)
+        backend = LocalBackend.from_engine_args(engine_args)
+        tokenizer = None  # the backend's: the engine's tokenizer and chat template
+        names = backend.engine.config.model.served_model_name or (backend.model,)
+    return build_app(backend, names, args.api_key, tokenizer=tokenizer,
+                     max_logprobs=engine_args.max_logprobs,
+                     max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve_http(build_serve_app(args), args.host, args.port, args.log_level)
 
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve one colocated engine behind the "
                                             "OpenAI-format HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model (as `vllm serve MODEL`); the same as --model")
     add_gateway_args(p)
     p.add_argument("--router", default=None, metavar="ADDR",
                    help="no local engine: serve a cluster's router at ADDR (host:port); "
-                        "engine flags other than --model and --max-model-len are then unused")
+                        "of the engine flags only --model, --max-model-len and the "
+                        "gateway's (--tokenizer, --tokenizer-mode, --chat-template, "
+                        "--served-model-name, --max-logprobs) are then used")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 

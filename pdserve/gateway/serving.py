@@ -21,6 +21,7 @@ class ServingContext:
     model_name: str
     max_model_len: int
     metrics: GatewayMetrics
+    max_logprobs: int = 20  # the most logprobs a request may ask for (-1: no cap)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a text prompt, as the engine's input processor makes them."""

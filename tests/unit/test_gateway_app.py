@@ -256,6 +256,52 @@ def test_validation_is_400(client, body, param):
     assert error(client.post("/v1/completions", json=body), 400)["param"] == param
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty",
+                                   "frequency_penalty", "repetition_penalty", "logit_bias"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")],
+                         ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_non_finite_sampling_values_are_400(client, backend, route, field, value):
+    # Python's json writes and reads NaN / Infinity; httpx's json= refuses them, so send text.
+    body = {"prompt": "x"} if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "x"}]}
+    body[field] = {"5": value} if field == "logit_bias" else value
+    r = client.post(route, content=json.dumps(body), headers={"content-type":
+                                                                  "application/json"})
+    err = error(r, 400)
+    assert err["param"] == field and err["type"] == "invalid_request_error"
+    assert "finite" in err["message"]
+    assert backend.started == []
+
+
+def test_logprobs_bound_follows_max_logprobs(backend):
+    app = build_app(backend, "fake-model", tokenizer=CharTokenizer(), max_logprobs=2,
+                    close_backend=False)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True}
+    with TestClient(app) as c:
+        err = error(c.post("/v1/completions", json={"prompt": "x", "logprobs": 3}), 400)
+        assert err["param"] == "logprobs" and "max_logprobs=2" in err["message"]
+        err = error(c.post("/v1/chat/completions", json=chat | {"top_logprobs": 3}), 400)
+        assert err["param"] == "top_logprobs"
+        assert c.post("/v1/chat/completions", json=chat | {"top_logprobs": 2}).status_code == 200
+    app = build_app(backend, "fake-model", tokenizer=CharTokenizer(), max_logprobs=-1,
+                    close_backend=False)  # vLLM's -1: no cap
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "logprobs": 50, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    assert backend.started[-1][2].logprobs == 50
+
+
+def test_served_model_names(backend):
+    app = build_app(backend, ["first", "second"], tokenizer=CharTokenizer(),
+                    close_backend=False)
+    with TestClient(app) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["first"]
+        r = c.post("/v1/completions", json={"model": "second", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "first"
+        error(c.post("/v1/completions", json={"model": "third", "prompt": "x"}), 404)
+
+
 def test_chat_template_failure_is_400(client):
     err = error(client.post("/v1/chat/completions",
                             json={"messages": [{"role": "robot", "content": "x"}]}), 400)

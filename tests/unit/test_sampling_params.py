@@ -126,3 +126,36 @@ def test_output_text_buffer_length():
     included = SamplingParams(stop=["ab"], include_stop_str_in_output=True)
     assert included.output_text_buffer_length == 0
     assert SamplingParams().output_text_buffer_length == 0
+
+
+_NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+_FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"]
+
+
+@pytest.mark.parametrize("field", _FLOAT_FIELDS)
+@pytest.mark.parametrize("value", _NON_FINITE, ids=["nan", "inf", "-inf"])
+def test_non_finite_values_are_rejected_naming_the_field(field, value):
+    # GHSA-7h4p-rffg-7823: NaN slipped past every range check (all comparisons are False)
+    # and sampled token 0 forever; an inf temperature flattened the logits to NaN.
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number, got {value!r}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("value", _NON_FINITE, ids=["nan", "inf", "-inf"])
+def test_non_finite_logit_bias_is_rejected(value):
+    with pytest.raises(ValueError, match=f"^logit_bias values must be finite.*{value!r}.*7"):
+        SamplingParams(logit_bias={7: 1.0, "7": value})
+    with pytest.raises(ValueError, match="^logit_bias"):
+        SamplingParams(logit_bias={"3": value})
+
+
+def test_verify_max_logprobs():
+    SamplingParams(logprobs=20, prompt_logprobs=20).verify_max_logprobs(20, 100)
+    SamplingParams(logprobs=-1).verify_max_logprobs(-1, 100)  # -1: no cap
+    SamplingParams(logprobs=-1).verify_max_logprobs(100, 100)  # whole vocab fits
+    for kwargs, field in [({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": 21},
+                                                            "prompt_logprobs"),
+                          ({"logprobs": -1}, "logprobs")]:
+        with pytest.raises(ValueError, match=f"^{field}: .* more than max_logprobs=20"):
+            SamplingParams(**kwargs).verify_max_logprobs(20, 100)
