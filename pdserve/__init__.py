@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
-
 _EXPORTS = {
     "LLM": "pdserve.engine.llm",
     "LLMEngine": "pdserve.engine.llm_engine",
@@ -29,4 +27,8 @@ __all__ = [*_EXPORTS, "__version__"]
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name == "__version__":  # the package metadata's (pdserve.version)
+        from pdserve.version import version
+
+        return version()
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

@@ -6,7 +6,10 @@ import argparse
 import importlib
 import sys
 
+from pdserve.cli_help import HelpFormatter, finish_help
 from pdserve.engine.engine_args import EngineArgs
+from pdserve.ports import PortInUse, check_bindable
+from pdserve.version import version
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -23,35 +26,65 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# Modules that register a subcommand with `add_cli(subparsers)`.
+# Modules that register a subcommand with `add_cli(subparsers)`. Importing them must not
+# import torch (tests/unit/test_cli_help.py checks): --help stays fast.
 _SUBCOMMANDS = ["pdserve.services.prefill_server", "pdserve.services.decode_server",
                 "pdserve.router.server", "pdserve.cluster", "pdserve.gateway.server"]
+# The ports each server listens on, as (dest, flag): checked before any model is loaded.
+_LISTEN_PORTS = {"serve": [("port", "--port")], "prefill": [("port", "--port")],
+                 "decode": [("port", "--port")], "router": [("grpc_port", "--grpc-port")],
+                 "up": [("grpc_port", "--grpc-port"), ("port", "--port")]}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The `pdserve` parser, with every subcommand."""
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="print pdserve's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate text for one prompt with a local engine")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--prompt", required=True, help="the prompt (required)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="this request's seed (default: the engine's --seed)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
     for module in _SUBCOMMANDS:
         importlib.import_module(module).add_cli(sub)
+    finish_help(parser)
     return parser
 
 
+def check_ports(args: argparse.Namespace) -> None:
+    """Fail now, not after loading a model, if a server's port is taken (ports.PortInUse)."""
+    for dest, flag in _LISTEN_PORTS.get(args.command, []):
+        check_bindable(args.host, getattr(args, dest), flag)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand: its errors become one `error: ...` line on stderr, exit code 2 for
+    a bad value (ValueError), 1 for a busy port."""
     args = build_parser().parse_args(argv)
     try:
+        check_ports(args)
         return args.func(args)
+    except PortInUse as e:
+        _error(e)
+        return 1
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(e)
         return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _error(e: Exception) -> None:
+    """One line on stderr, however many lines the message had (transformers' often do)."""
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)
 
 
 if __name__ == "__main__":

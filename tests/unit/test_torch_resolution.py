@@ -1,0 +1,82 @@
+"""pip dry runs (nothing is installed) of scripts/choose_torch.py's two choices together with
+what `setup.sh --test` installs after torch (pdserve's requirements and the test extra).
+
+The CPU choice, as it is made on this machine, resolves to a CPU build. The CUDA choice,
+resolved for a Linux x86_64 machine, resolves to PyPI's CUDA build and the triton it pins, which
+the test extra's unpinned triton accepts (a triton pin of our own would break this resolution).
+Both need PyPI: skipped, saying so, when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from install_scripts import PYPROJECT, ROOT, choose_torch
+from packaging.requirements import Requirement
+
+
+def _pypi_reachable() -> bool:
+    try:
+        with urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10):
+            return True
+    except OSError:
+        return False
+
+
+pytestmark = [pytest.mark.network,
+              pytest.mark.skipif(not _pypi_reachable(),
+                                 reason="PyPI (pypi.org) cannot be reached: no dry run")]
+
+# What `setup.sh --test` installs after torch.
+PDSERVE_REQS = [*PYPROJECT["dependencies"], *PYPROJECT["optional-dependencies"]["test"]]
+# A Linux x86_64 machine: manylinux wheels of any glibc up to 2.28 (torch's).
+LINUX_X86_64 = [arg for tag in [*(f"manylinux_2_{n}_x86_64" for n in range(28, 4, -1)),
+                                "manylinux2014_x86_64", "manylinux2010_x86_64",
+                                "manylinux1_x86_64", "linux_x86_64"]
+                for arg in ("--platform", tag)]
+
+
+def chosen(kind: str) -> list[str]:
+    """The pip arguments choose_torch.py prints for `--cpu` / `--gpu`, as setup.sh runs it."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/choose_torch.py"), f"--{kind}"],
+                          capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout.splitlines()
+
+
+def dry_run(*args: str) -> dict[str, dict]:
+    """`pip install --dry-run ARGS`: the metadata of each distribution pip would install."""
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+           "--disable-pip-version-check", "--report", "-", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {i["metadata"]["name"].lower(): i["metadata"]
+            for i in json.loads(done.stdout)["install"]}
+
+
+def test_cpu_choice_resolves_the_cpu_build():
+    args = chosen("cpu")
+    if args[0] == "--index-url":  # torch from PyTorch's CPU index, the rest from the default
+        args = ["--extra-index-url", *args[1:]]
+    got = dry_run("--ignore-installed", *args, *PDSERVE_REQS)
+    torch = got["torch"]
+    assert not choose_torch.is_cuda_build(torch["version"], torch.get("requires_dist") or [])
+    assert not [name for name in got if name.startswith("nvidia-")]
+    if sys.platform == "linux":
+        assert "triton" in got  # the Triton interpreter tests' (any version)
+
+
+def test_cuda_choice_resolves_the_cuda_build_and_its_triton(tmp_path):
+    args = chosen("gpu")
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    got = dry_run("--only-binary=:all:", *LINUX_X86_64, "--python-version", python,
+                  "--target", str(tmp_path), *args, *PDSERVE_REQS)
+    torch = got["torch"]
+    requires = torch.get("requires_dist") or []
+    assert choose_torch.is_cuda_build(torch["version"], requires), torch["version"]
+    assert "+cpu" not in torch["version"]
+    [pin] = [Requirement(r) for r in requires if Requirement(r).name == "triton"]
+    assert pin.specifier.contains(got["triton"]["version"])
