@@ -32,6 +32,15 @@ from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
 
+SHM_DIR = "/dev/shm"  # where shm instances keep their KV segments (ShmTransport's default)
+
+
+def _reclaim_shm() -> None:
+    """Remove the KV segments of dead instances (never a live one's)."""
+    from pdserve.kv_transfer.shm_segment import sweep_stale_segments  # imports torch
+
+    sweep_stale_segments(SHM_DIR)
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -255,7 +264,12 @@ class Cluster:
 
     # ------------------------------------------------------------------ run and stop
     def dead(self) -> list[Child]:
-        return [c for c in self.children if c.proc.poll() is not None]
+        """Children that exited; the shm segments of any that crashed are reclaimed (only
+        segments whose owner is dead are touched)."""
+        dead = [c for c in self.children if c.proc.poll() is not None]
+        if dead and self.spec.connector == "shm":
+            _reclaim_shm()
+        return dead
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, wait up to `grace_s`, SIGKILL what is left."""
@@ -270,6 +284,8 @@ class Cluster:
         for child in self.children:
             _signal_group(child.proc, signal.SIGKILL)  # stragglers and any grandchildren
             child.proc.wait()
+        if self.spec.connector == "shm":
+            _reclaim_shm()  # what a killed instance could not remove itself
 
     def __enter__(self) -> Cluster:
         return self.start()

@@ -14,10 +14,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # the loop is given an engine; importing one would load torch
+    from pdserve.engine.llm_engine import LLMEngine
 
 
 class StreamTimeout(TimeoutError):
@@ -95,6 +98,9 @@ class EngineLoop:
         then: every stream gets the error, later calls raise)."""
         self.engine = engine
         self.on_failure = on_failure
+        # Load as of the end of the last step, so that load reports and heartbeats never wait
+        # for a step in progress (a long prefill must not look like a dead instance).
+        self._latest_stats: EngineStats | None = None
         self.idle_tick_s = idle_tick_s
         self._lock = threading.Lock()  # held by whoever touches the engine
         self._calls: queue.SimpleQueue[tuple[Future, object, tuple]] = queue.SimpleQueue()
@@ -158,7 +164,12 @@ class EngineLoop:
         return self.call(snapshot)
 
     def stats(self) -> EngineStats:
-        return self.call(self._stats)
+        """The engine's load as of the end of its last step, without waiting for the one in
+        progress (before the first step, or once the loop is stopped: taken now)."""
+        latest = self._latest_stats
+        if latest is None or self._stopped.is_set():
+            return self.call(self._stats)
+        return latest
 
     def call(self, fn, *args):
         """Run `fn(*args)` on the engine between two steps; its result, or its exception."""
@@ -184,16 +195,15 @@ class EngineLoop:
     def _stats(self) -> EngineStats:
         sched = self.engine.scheduler
         pool = self.engine.block_pool
-        loads = sched.load_results
         return EngineStats(
             waiting_requests=sched.num_waiting, running_requests=sched.num_running,
             waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
             free_blocks=pool.num_free_blocks, total_blocks=pool.num_blocks,
             leased_requests=len(self.engine.kv_manager.leases),
             prefix_queries=pool.num_queries, prefix_hits=pool.num_hits,
-            kv_bytes_received=sum(r.num_bytes for r in loads),
-            kv_transfer_seconds=sum(r.seconds for r in loads),
-            kv_loads_failed=sum(not r.ok for r in loads), cached_blocks=len(pool.cached))
+            kv_bytes_received=sched.kv_bytes_received,
+            kv_transfer_seconds=sched.kv_transfer_seconds,
+            kv_loads_failed=sched.kv_loads_failed, cached_blocks=len(pool.cached))
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -206,6 +216,7 @@ class EngineLoop:
                     for _, o in streams:
                         if o.finished:
                             self._streams.pop(o.request_id, None)
+                    self._latest_stats = self._stats()
             except Exception as e:  # noqa: BLE001 - a dead loop must not hang its callers
                 self._fail_all(e)
                 return

@@ -67,6 +67,8 @@ class Scheduler:
         self.connector = connector or KVConnector()
         self.loading: dict[str, Request] = {}  # remote KV loads in flight
         self.load_results: list[LoadResult] = []  # finished loads, for metrics
+        # Their totals, kept as they come (load reports read them every step).
+        self.kv_bytes_received, self.kv_transfer_seconds, self.kv_loads_failed = 0, 0.0, 0
         self.block_size = kv_manager.block_size
         # NOTE: a sequence may never outgrow the whole cache, or it could never be scheduled.
         self.max_model_len = min(max_model_len, kv_manager.pool.num_blocks * self.block_size)
@@ -211,6 +213,9 @@ class Scheduler:
     def _finish_loads(self, out: SchedulerOutput) -> None:
         for result in self.connector.take_finished_loads():
             self.load_results.append(result)
+            self.kv_bytes_received += result.num_bytes
+            self.kv_transfer_seconds += result.seconds
+            self.kv_loads_failed += not result.ok
             request = self.loading.pop(result.request_id, None)
             if request is None:
                 continue

@@ -8,6 +8,8 @@ the call; the router then cancels its decode call, and the decode instance frees
 
 from __future__ import annotations
 
+import os
+
 import grpc
 
 from pdserve.gateway.backend import (
@@ -26,7 +28,7 @@ from pdserve.gateway.backend import (
 )
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.sampling_params import SamplingParams
-from pdserve.services.auth import Credentials
+from pdserve.services.auth import SECRET_ENV, Credentials
 from pdserve.services.convert import params_to_proto
 
 _ERRORS = {
@@ -46,7 +48,7 @@ def map_rpc_error(e: grpc.RpcError) -> Exception:
 
 class RouterBackend(Backend):
     def __init__(self, address: str, model: str, max_model_len: int | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, credentials: Credentials | None = None):
         """`model`: the name or path the instances serve (its tokenizer and context length)."""
         if max_model_len is None:
             from pdserve.models.loader import load_arch, resolve_model
@@ -57,8 +59,9 @@ class RouterBackend(Backend):
         self.max_model_len = max_model_len
         self.timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
-        # Inside the cluster: the cluster secret ($PDSERVE_CLUSTER_SECRET) on every call.
-        self._metadata = Credentials.load().call_metadata()
+        # Inside the cluster: the cluster secret on every call (default: from the environment).
+        self._metadata = (credentials or Credentials.load(env={
+            SECRET_ENV: os.environ.get(SECRET_ENV, "")})).call_metadata()
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
 
     @property

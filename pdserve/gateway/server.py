@@ -22,6 +22,7 @@ import sys
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
 from pdserve.models.loader import DEFAULT_MODEL
+from pdserve.services.auth import add_credential_args
 
 DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 5
@@ -95,7 +96,10 @@ def build_serve_app(args: argparse.Namespace):
         resolved = resolve_model(engine_args.model)
         vllm_args.check_args(engine_args, resolved)
         tok = engine_args.create_tokenizer_config(resolved)
-        backend = RouterBackend(args.router, engine_args.model, engine_args.max_model_len)
+        from pdserve.services.auth import credentials_from_args
+
+        backend = RouterBackend(args.router, engine_args.model, engine_args.max_model_len,
+                                credentials=credentials_from_args(args))
         tokenizer = load_tokenizer(tok.source, tok.mode, tok.chat_template)
         names = vllm_args.served_names(engine_args.served_model_name) or (engine_args.model,)
     else:
@@ -126,6 +130,7 @@ def add_cli(subparsers) -> None:
                         "of the engine flags only --model, --max-model-len and the "
                         "gateway's (--tokenizer, --tokenizer-mode, --chat-template, "
                         "--served-model-name, --max-logprobs) are then used")
+    add_credential_args(p)  # for --router: the cluster's secret
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 

@@ -52,6 +52,7 @@ class ShmTransport(KVTransport):
         self._finalizer: weakref.finalize | None = None
         # segment path -> (inode, read-only view of the producer's cache)
         self._peers: dict[str, tuple[int, torch.Tensor]] = {}
+        self._peer_owners: dict[str, tuple[int, int, int]] = {}
 
     def allocate_kv_cache(self, layout: KVLayout, device: str | torch.device = "cpu") -> torch.Tensor:
         if torch.device(device).type != "cpu":
@@ -89,8 +90,22 @@ class ShmTransport(KVTransport):
             else:  # small run: one serial memcpy per plane, no thread-pool sync per run
                 np.copyto(dst_np[:, loc:loc + n], src_np[:, r:r + n])
 
+    def _drop_dead_peers(self) -> None:
+        """Unmap the segments of producers that are gone (exited, or replaced by a restart),
+        so that a dead producer's memory is not held for the life of this process."""
+        for path, (inode, _) in list(self._peers.items()):
+            try:
+                alive = (os.stat(path).st_ino == inode
+                         and owner_alive(*self._peer_owners.get(path, (0, 0, 0))))
+            except FileNotFoundError:
+                alive = False
+            if not alive:
+                self._peers.pop(path, None)  # the mapping goes with the last view of it
+                self._peer_owners.pop(path, None)
+
     def _peer_view(self, remote: dict[str, Any], layout: KVLayout) -> torch.Tensor:
         """The producer's cache, mapped read-only; checks the producer is still there."""
+        self._drop_dead_peers()
         try:
             inode = int(remote["inode"])
             owner = (int(remote["pid"]), int(remote["pid_start"]), int(remote["pidns"]))
@@ -123,6 +138,7 @@ class ShmTransport(KVTransport):
             warnings.filterwarnings("ignore", message=".*not writable.*")
             view = torch.frombuffer(mm, dtype=layout.torch_dtype).view(layout.shape)
         self._peers[path] = (inode, view)
+        self._peer_owners[path] = owner
         return view
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ import grpc
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2
 from pdserve.router.channels import ChannelPool
 from pdserve.router.registry import Instance, Registry
-from pdserve.router.relay import Relay
+from pdserve.router.relay import Continuation, Relay
 from pdserve.router.routing import NoDecodeInstance, Plan, Planner, RouterConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.convert import params_from_proto
@@ -75,10 +75,12 @@ class RouterCore:
         except RuntimeError:  # shutting down: the lease expires by itself
             pass
 
-    def is_down(self, instance: Instance) -> bool:
-        """Probe a decode instance after a failure: True when it does not answer."""
+    def is_down(self, instance: Instance, role: str = "decode") -> bool:
+        """Probe an instance (its load report never waits for a model step): True when it
+        does not answer."""
+        stubs = {"decode": self.channels.decode, "prefill": self.channels.prefill}
         try:
-            self.channels.decode(instance.address).GetLoad(
+            stubs[role](instance.address).GetLoad(
                 common_pb2.LoadRequest(), timeout=self.config.control_timeout_s)
         except grpc.RpcError:
             return True
@@ -91,6 +93,10 @@ class RouterCore:
 
 class _ClientGone(Exception):
     """The RPC ended (client cancelled or its deadline passed): stop quietly."""
+
+
+class _InstanceDead(Exception):
+    """An instance stopped answering its liveness probe while a call to it was running."""
 
 
 class GenerateFlow:
@@ -151,7 +157,23 @@ class GenerateFlow:
         bad = next((t for t in ids if t < 0), None)
         if bad is not None:
             self._abort(Code.INVALID_ARGUMENT, f"prompt.token_ids: token id {bad} is negative")
+        self._check_caps(len(ids), params)
         return ids, params
+
+    def _check_caps(self, prompt_len: int, params: SamplingParams) -> None:
+        """The gateway's caps: the prompt and max_tokens fit the context, logprobs are within
+        max_logprobs."""
+        limit = self.config.max_model_len  # 0: unknown, not checked here
+        if limit and prompt_len >= limit:
+            self._abort(Code.INVALID_ARGUMENT, f"prompt: {prompt_len} tokens leave no room to "
+                        f"generate within the model's context length of {limit} tokens")
+        if limit and params.max_tokens is not None and prompt_len + params.max_tokens > limit:
+            self._abort(Code.INVALID_ARGUMENT, f"sampling.max_tokens: {params.max_tokens} with "
+                        f"a {prompt_len}-token prompt exceeds the context length of {limit}")
+        try:
+            params.verify_max_logprobs(self.config.max_logprobs, len(self.core.tokenizer))
+        except ValueError as e:
+            self._abort(Code.INVALID_ARGUMENT, f"sampling.{e}")
 
     def _prefill(self, plan: Plan, prompt_ids: list[int]) -> engine_pb2.PrefillResponse | None:
         """First token and KV handle from a prefill instance; None: prefill on D instead."""
@@ -164,18 +186,25 @@ class GenerateFlow:
                 break
             tried.add(p.id)
             self.served.prefill_attempts += 1
-            timeout = min(self.config.prefill_timeout_s, self._remaining())
             try:
                 stub = self.core.channels.prefill(p.address)
-                resp = self._call(stub.Prefill.future, req, timeout=timeout).result()
+                future = self._call(stub.Prefill.future, req, timeout=self._remaining())
+                resp = self._await_alive(future, p)
+            except _InstanceDead:
+                self.core.forget_on_prefill(p.address, self.rid)
+                self._check_client()
+                self.core.registry.mark_down(p.id)
+                logger.warning("request %s: prefill instance %s stopped answering", self.rid,
+                               p.id)
+                continue
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
                 self.core.forget_on_prefill(p.address, self.rid)
                 self._check_client()
                 code = e.code() if isinstance(e, grpc.RpcError) else Code.CANCELLED
                 if code == Code.INVALID_ARGUMENT:
                     self._abort(code, e.details())
-                if code == Code.DEADLINE_EXCEEDED and timeout < self.config.prefill_timeout_s:
-                    # The client's deadline, not a slow instance: nothing to retry or mark.
+                if code == Code.DEADLINE_EXCEEDED:
+                    # The request's own deadline (the only one on the call): no retry.
                     self._abort(code, f"request {self.rid}: deadline passed during prefill")
                 if code in DOWN_CODES:
                     self.core.registry.mark_down(p.id)
@@ -212,20 +241,25 @@ class GenerateFlow:
 
     def _decode(self, plan: Plan, prompt_ids: list[int], params: SamplingParams,
                 first: engine_pb2.PrefillResponse | None) -> Iterator[common_pb2.GenerateResponse]:
-        """Stream D's generation to the client; retry on another D while none has answered."""
+        """Stream D's generation to the client. While D has sent nothing, a dead D is retried
+        elsewhere; once it has, a dead D's request migrates: another D recomputes the prompt
+        and the tokens the client has, and the stream goes on where it stopped."""
         req = engine_pb2.DecodeRequest(request_id=self.rid, prompt_token_ids=prompt_ids,
                                        sampling=self.request.sampling)
+        sent, cached, connector = None, 0, ""
         if first is not None:
             req.handle.CopyFrom(first.handle)
             req.output_token_ids.append(first.first_token_id)
-        connector = first.handle.connector if first is not None else ""
-        decode, tried = plan.decode, set()
-        for attempt in range(1, self.config.decode_attempts + 1):
+            sent = Continuation([first.first_token_id], first.first_text, first.first_logprob)
+            cached, connector = first.num_cached_tokens, first.handle.connector
+        decode, tried, attempts = plan.decode, set(), 0
+        while True:
+            attempts += 1
             tried.add(decode.id)
             self.served.decode_instance = decode.id
-            if first is None:
+            if first is None and not self.served.migrations:
                 self.served.prefill_instance = decode.id
-            relay = Relay(self.rid, prompt_ids, params.n, self.served, first)
+            relay = Relay(self.rid, prompt_ids, params.n, self.served, sent, cached)
             try:
                 stub = self.core.channels.decode(decode.address)
                 call = self._call(stub.Decode, req, timeout=self._remaining())
@@ -240,25 +274,55 @@ class GenerateFlow:
                 down = self.core.is_down(decode)
                 if down:
                     self.core.registry.mark_down(decode.id)
-                if down and not relay.received and attempt < self.config.decode_attempts:
+                retry = None
+                if down and not relay.received and attempts < self.config.decode_attempts:
                     retry = self.core.planner.pick_decode(plan.request, tried, connector)
+                elif down and relay.received and self._may_migrate(params):
+                    retry = self.core.planner.pick_decode(plan.request, tried)
                     if retry is not None:
-                        logger.warning("request %s: decode %s is down, trying %s", self.rid,
-                                       decode.id, retry.id)
-                        decode = retry
-                        continue
+                        self.served.migrations += 1
+                        sent = relay.sent
+                        req, connector = sent.decode_request(self.rid, prompt_ids,
+                                                             self.request.sampling), ""
+                if retry is not None:
+                    logger.warning("request %s: decode %s is down %s, continuing on %s",
+                                   self.rid, decode.id, "mid-stream" if relay.received
+                                   else "before streaming", retry.id)
+                    decode = retry
+                    continue
                 where = "mid-stream" if relay.received else "before streaming"
                 code = Code.DEADLINE_EXCEEDED if e.code() == Code.DEADLINE_EXCEEDED \
                     else Code.UNAVAILABLE
                 self._abort(code, f"decode instance {decode.id} failed {where}: "
-                                  f"{e.code().name}: {e.details()}")
+                                  f"{e.code().name}: {e.details()} (after "
+                                  f"{self.served.migrations} migrations)")
             if not relay.complete:
                 self._abort(Code.UNAVAILABLE, f"decode instance {decode.id} ended the stream "
                                               f"before finishing completions {relay.missing}")
             self._set_lease(None)  # D read the blocks and released them itself
             return
 
+    def _may_migrate(self, params: SamplingParams) -> bool:
+        """A request continues elsewhere when it has one sequence (the tokens the client has
+        say where it stopped) and the migration budget is not spent."""
+        return params.n == 1 and self.served.migrations < self.config.max_migrations
+
     # ------------------------------------------------------------------ plumbing
+    def _await_alive(self, future: Any, instance: Instance) -> Any:
+        """The call's result, however long the work takes, as long as its instance answers a
+        liveness probe every `prefill_timeout_s` (a queued prefill is slow, not dead); the
+        call's own deadline is the request's."""
+        while True:
+            try:
+                return future.result(timeout=self.config.prefill_timeout_s)
+            except grpc.FutureTimeoutError:
+                self._check_client()
+                if self.core.is_down(instance, "prefill"):
+                    future.cancel()
+                    raise _InstanceDead(instance.id) from None
+                logger.info("request %s: prefill on %s still running; %s answers", self.rid,
+                            instance.id, instance.id)
+
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:

@@ -1,35 +1,61 @@
 """Relay of a decode instance's stream to the client.
 
-After a disaggregated prefill the router has already sent the first token; the decode side's
-first message repeats it (its token id, its text as a prefix of the message's text, and an
-empty logprobs entry), so that message is stripped of exactly those. The last message gets the
-request's usage (tokens the client received; cached tokens as the prefill side reported them
-when it prefilled) and `served_by`.
+A decode call may start after the client already has part of sequence 0: the first token of a
+disaggregated prefill, or every token a failed decode instance streamed before it died (the
+request then continues elsewhere: migration). The decode side's first message repeats those
+tokens (their ids, their text as a prefix of the message's text, and empty logprobs entries),
+so that message is stripped of exactly those. The relay also records what it forwards, which is
+where a migration continues from. The last message gets the request's usage (tokens the client
+received; cached tokens as the prefill side reported them) and `served_by`.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Continuation:
+    """What the client has received of sequence 0: enough to continue it on another
+    instance, and to tell the repeated part of that instance's first message."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    cumulative_logprob: float = 0.0
+
+    def decode_request(self, request_id: str, prompt_ids: list[int],
+                       sampling: common_pb2.SamplingParams) -> engine_pb2.DecodeRequest:
+        """A Decode call that recomputes the prompt and these tokens, then continues."""
+        return engine_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                        sampling=sampling, output_token_ids=self.token_ids)
+
+
 class Relay:
     """Turns D's messages into the client's; one Relay per Decode call."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], n: int,
-                 served: common_pb2.ServedBy, first: engine_pb2.PrefillResponse | None = None):
+                 served: common_pb2.ServedBy, sent: Continuation | None = None,
+                 cached_tokens: int = 0):
+        """`sent`: what the client already has of sequence 0 (None: nothing at all, not even
+        a first message)."""
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.served = served
-        self.first = first
+        self.cached_tokens = cached_tokens
         self.received = False  # D sent something (a retry elsewhere is no longer possible)
         self.unfinished = set(range(n))
-        self.completion_tokens = 1 if first is not None else 0
-        self._strip_pending = first is not None
-        self._sent_first = first is not None
+        self.sent = Continuation(list(sent.token_ids), sent.text,
+                                 sent.cumulative_logprob) if sent else Continuation()
+        self.completion_tokens = len(self.sent.token_ids)
+        self._repeated = Continuation(list(self.sent.token_ids), self.sent.text)
+        # D's cumulative logprob counts only the tokens it sampled: add those before them.
+        self._base_logprob = self.sent.cumulative_logprob
+        self._sent_first = sent is not None
 
     @property
     def complete(self) -> bool:
@@ -45,8 +71,13 @@ class Relay:
         out = common_pb2.GenerateResponse()
         out.CopyFrom(msg)
         out.request_id = self.request_id
-        if self._strip_pending and msg.index == 0 and msg.token_ids:
-            self._strip_first(out)
+        if self._repeated.token_ids and msg.index == 0 and msg.token_ids:
+            self._strip_repeated(out)
+        if out.index == 0:
+            self.sent.token_ids.extend(out.token_ids)
+            self.sent.text += out.text
+            out.cumulative_logprob += self._base_logprob
+            self.sent.cumulative_logprob = out.cumulative_logprob
         self.completion_tokens += len(out.token_ids)
         if out.finish_reason:
             self.unfinished.discard(out.index)
@@ -54,8 +85,8 @@ class Relay:
         if last:
             out.usage.prompt_tokens = len(self.prompt_ids)
             out.usage.completion_tokens = self.completion_tokens
-            if self.first is not None:
-                out.usage.cached_tokens = self.first.num_cached_tokens
+            if self.cached_tokens:
+                out.usage.cached_tokens = self.cached_tokens
         with_served_by = last
         if not self._sent_first:  # D prefilled: this is the client's first message
             if not out.prompt_token_ids:
@@ -68,15 +99,19 @@ class Relay:
             return None
         return out
 
-    def _strip_first(self, out: common_pb2.GenerateResponse) -> None:
-        self._strip_pending = False
-        if out.token_ids[0] != self.first.first_token_id or \
-                not out.text.startswith(self.first.first_text):
-            logger.warning("request %s: the decode stream does not repeat the first token "
-                           "(%d %r)", self.request_id, self.first.first_token_id,
-                           self.first.first_text)
-        del out.token_ids[0]
-        out.text = out.text[len(self.first.first_text):]
-        if out.logprobs:
-            del out.logprobs[0]
+    def _strip_repeated(self, out: common_pb2.GenerateResponse) -> None:
+        """Drop from D's first message the tokens, text and logprobs the client has."""
+        repeated = self._repeated
+        n = len(repeated.token_ids)
+        if list(out.token_ids[:n]) != repeated.token_ids:
+            logger.warning("request %s: the decode stream does not repeat the %d tokens the "
+                           "client has", self.request_id, n)
+        del out.token_ids[:n]
+        if out.text.startswith(repeated.text):
+            out.text = out.text[len(repeated.text):]
+        else:
+            logger.warning("request %s: the decode stream's text does not start with the "
+                           "text the client has", self.request_id)
+        del out.logprobs[:n]
         out.ClearField("prompt_token_ids")  # the first message had them
+        repeated.token_ids = []

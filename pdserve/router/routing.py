@@ -31,11 +31,21 @@ class RouterConfig:
     disagg_threshold: int = 64  # uncached prompt tokens from which a prompt goes through P
     prefill_attempts: int = 2  # prefill instances tried before prefilling on D
     decode_attempts: int = 2  # decode instances tried while none has sent anything
-    prefill_timeout_s: float = 30.0  # per Prefill call (never beyond the client's deadline)
+    # Times a request whose decode instance died mid-stream moves to another one, continuing
+    # from the prompt plus the tokens the client has (n = 1 only).
+    max_migrations: int = 2
+    # A Prefill call that has not answered after this long has its instance probed (GetLoad,
+    # which never waits for a model step): an answer means slow, not dead, and the wait goes
+    # on, up to the request's own deadline; no answer means dead: try another instance.
+    prefill_timeout_s: float = 30.0
     request_timeout_s: float = 3600.0  # a whole request, when the client set no deadline
     control_timeout_s: float = 2.0  # Release / Abort / probe calls
     ttl_s: float = 3.0  # an instance not heard from for this long is not routed to
     poll_interval_s: float = 0.5  # GetLoad polls of static instances
+    # The caps the HTTP gateway applies, checked before a request goes anywhere: context
+    # length (0: the model's max_position_embeddings) and logprobs per position (-1: no cap).
+    max_model_len: int = 0
+    max_logprobs: int = 20
     picker: PickerConfig = field(
         default_factory=lambda: PickerConfig(prefix_weight=2.0, queue_weight=1.0,
                                              kv_usage_weight=1.0))
@@ -43,8 +53,11 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.disagg_threshold < 0:
             raise ValueError(f"disagg_threshold must be >= 0, got {self.disagg_threshold}")
-        if self.prefill_attempts < 0 or self.decode_attempts < 1:
-            raise ValueError("prefill_attempts must be >= 0 and decode_attempts >= 1")
+        if self.prefill_attempts < 0 or self.decode_attempts < 1 or self.max_migrations < 0:
+            raise ValueError("prefill_attempts and max_migrations must be >= 0 and "
+                             "decode_attempts >= 1")
+        if self.max_model_len < 0 or self.max_logprobs < -1:
+            raise ValueError("max_model_len must be >= 0 and max_logprobs >= -1")
         for name in ("prefill_timeout_s", "request_timeout_s", "control_timeout_s", "ttl_s",
                      "poll_interval_s"):
             if getattr(self, name) <= 0:

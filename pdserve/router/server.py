@@ -13,17 +13,17 @@ decision in routing.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from pdserve.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from pdserve.models.loader import DEFAULT_MODEL, load_arch, load_tokenizer, resolve_model
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
-from pdserve.router.generate_flow import GenerateFlow, RouterCore
 from pdserve.router.kv_events_wire import batch_from_proto
 from pdserve.router.prefix_index import (
     PrefixIndex,
@@ -36,6 +36,9 @@ from pdserve.services.auth import Credentials, add_credential_args, credentials_
 from pdserve.services.grpc_server import GrpcServer, service_name
 from pdserve.services.instance import heartbeat_info
 
+if TYPE_CHECKING:  # generate_flow imports torch (through the KV handle): not for --help
+    from pdserve.router.generate_flow import RouterCore
+
 DEFAULT_PORT = 50051
 
 
@@ -46,6 +49,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.heartbeat_interval_s = min(1.0, core.config.ttl_s / 3)
 
     def Generate(self, request, context):
+        from pdserve.router.generate_flow import GenerateFlow
+
         yield from GenerateFlow(self.core, request, context).run()
 
     def Heartbeat(self, request, context):
@@ -89,11 +94,16 @@ class RouterServer:
                  prefill: Sequence[str] = (), decode: Sequence[str] = (),
                  index: PrefixIndex | None = None, tokenizer: Any = None,
                  credentials: Credentials = Credentials()):
+        from pdserve.router.generate_flow import RouterCore
+
         for address in (*prefill, *decode):
             if ":" not in address:
                 raise ValueError(f"--prefill/--decode: expected HOST:PORT, got {address!r}")
         if tokenizer is None:
             tokenizer = load_tokenizer(resolve_model(config.model))
+        if not config.max_model_len:  # the instances' context length: the model's
+            arch = load_arch(resolve_model(config.model))
+            config = dataclasses.replace(config, max_model_len=arch.max_position_embeddings)
         self.index = index or create_prefix_index()
         registry = Registry(ttl_s=config.ttl_s)
         channels = ChannelPool(credentials)
@@ -139,7 +149,16 @@ def add_cli(subparsers) -> None:
                    help="uncached prompt tokens from which a prompt is prefilled on a prefill "
                         "instance (0: always)")
     p.add_argument("--prefill-attempts", type=int, default=RouterConfig.prefill_attempts)
-    p.add_argument("--prefill-timeout-s", type=float, default=RouterConfig.prefill_timeout_s)
+    p.add_argument("--prefill-timeout-s", type=float, default=RouterConfig.prefill_timeout_s,
+                   help="how often a running prefill's instance is probed for liveness; a "
+                        "live instance is waited for up to the request's deadline")
+    p.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
+                   help="times a request whose decode instance dies mid-stream continues on "
+                        "another one (n = 1 requests)")
+    p.add_argument("--max-model-len", type=int, default=RouterConfig.max_model_len,
+                   help="context length requests must fit, as the instances' (0: the model's)")
+    p.add_argument("--max-logprobs", type=int, default=RouterConfig.max_logprobs,
+                   help="most logprobs per position a request may ask for (-1: no cap)")
     p.add_argument("--redis-url", default=None,
                    help="read the prefix index from this Redis (default: in-process, fed by "
                         "the instances' KV events)")
@@ -151,11 +170,13 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = RouterConfig(model=args.model, disagg_threshold=args.disagg_threshold,
                           prefill_attempts=args.prefill_attempts,
-                          prefill_timeout_s=args.prefill_timeout_s)
+                          prefill_timeout_s=args.prefill_timeout_s,
+                          max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
+                          max_migrations=args.max_migrations)
     index = (create_prefix_index(PrefixIndexConfig("redis", args.redis_url))
              if args.redis_url else None)
     try:
-        credentials = credentials_from_args(args)
+        credentials = credentials_from_args(args, api_keys=True)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     router = RouterServer(config, args.host, args.grpc_port, args.prefill, args.decode, index,

@@ -118,9 +118,12 @@ def add_credential_args(parser: argparse.ArgumentParser, api_keys: bool = False)
                             help="file of client API keys, one per line")
 
 
-def credentials_from_args(args: argparse.Namespace) -> Credentials:
-    return Credentials.load(args.cluster_secret_file, tuple(getattr(args, "api_key", ()) or ()),
-                            getattr(args, "api_key_file", None))
+def credentials_from_args(args: argparse.Namespace, api_keys: bool = False) -> Credentials:
+    """From the flags `add_credential_args` added (API keys only where `api_keys`)."""
+    if not api_keys:
+        return Credentials.load(args.cluster_secret_file, env={
+            k: v for k, v in os.environ.items() if k != API_KEY_ENV})
+    return Credentials.load(args.cluster_secret_file, tuple(args.api_key), args.api_key_file)
 
 
 # ------------------------------------------------------------------------- server side

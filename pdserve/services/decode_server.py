@@ -7,14 +7,12 @@ import uuid
 
 import grpc
 
-from pdserve.engine.engine_loop import StreamTimeout
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.sampling_params import RequestOutputKind
-from pdserve.services.convert import handle_from_proto, logprobs_to_proto, params_from_proto
 from pdserve.services.grpc_server import service_name
 from pdserve.services.instance import Instance, add_instance_args, run_instance
+from pdserve.services.stream_wait import next_output
 
-STEP_TIMEOUT_S = 60.0  # longest wait for one output when the client set no deadline
 
 
 class DecodeServicer(engine_pb2_grpc.DecodeServicer):
@@ -23,6 +21,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         self.loop = instance.loop
 
     def Decode(self, request, context):
+        # convert imports the KV connector, hence torch: not at import time (pdserve --help)
+        from pdserve.services.convert import handle_from_proto, params_from_proto
+
         rid = request.request_id or uuid.uuid4().hex
         try:
             params = params_from_proto(request.sampling)
@@ -41,15 +42,13 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         yield from self._stream(rid, stream, request, context)
 
     def _stream(self, rid, stream, request, context):
+        from pdserve.services.convert import logprobs_to_proto
+
         completion_tokens = 0
         first = True
         while not stream.finished:
             try:
-                out = stream.get(timeout=min(context.time_remaining() or STEP_TIMEOUT_S,
-                                             STEP_TIMEOUT_S))
-            except StreamTimeout:
-                self.loop.abort(rid)
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode of {rid} timed out")
+                out = next_output(stream, context)
             except RuntimeError as e:
                 context.abort(grpc.StatusCode.INTERNAL, str(e))
             if out.error:

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.services.auth import AuthInterceptor, Credentials
+from pdserve.services.malformed import MalformedRequestInterceptor
 
 
 class GrpcServer:
@@ -22,6 +23,7 @@ class GrpcServer:
                  credentials: Credentials | None = None):
         """`credentials`: who may call which method (auth.py); None: anyone."""
         interceptors = [AuthInterceptor(credentials)] if credentials is not None else []
+        interceptors.append(MalformedRequestInterceptor())
         self.server = grpc.server(ThreadPoolExecutor(max_workers=max_workers),
                                   interceptors=interceptors,
                                   options=[("grpc.so_reuseport", 0)])

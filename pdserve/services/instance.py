@@ -7,20 +7,21 @@ import argparse
 import logging
 import threading
 import uuid
+from typing import TYPE_CHECKING
 
 import grpc
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_transfer import make_transport
-from pdserve.kv_transfer.connector import KVConnector, KVHandle, TransportConnector
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
 from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
 from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
 from pdserve.services.grpc_server import GrpcServer, load_message
 from pdserve.services.kv_event_publisher import KVEventPublisher, RouterSink
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.connector import KVConnector, KVHandle
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class Instance:
                  host: str = "127.0.0.1", port: int = 0, instance_id: str | None = None,
                  router: str | None = None, redis_url: str | None = None,
                  credentials: Credentials = Credentials()):
+        from pdserve.engine.llm_engine import LLMEngine  # torch: not imported for --help
+
         self.role = role
         self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.channels = ChannelPool(credentials)
@@ -53,6 +56,9 @@ class Instance:
         self._stop = threading.Event()
 
     def _make_connector(self, kind: str, host: str) -> KVConnector:
+        from pdserve.kv_transfer import make_transport
+        from pdserve.kv_transfer.connector import KVConnector, TransportConnector
+
         if kind == "none":
             return KVConnector()
         # The tcp transport serves KV on the instance's own host, so peers can dial it.

@@ -8,15 +8,12 @@ import uuid
 
 import grpc
 
-from pdserve.engine.engine_loop import StreamTimeout
-from pdserve.kv_transfer.connector import KVHandle
 from pdserve.proto.pdserve.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.sampling_params import RequestOutputKind
-from pdserve.services.convert import handle_to_proto, logprobs_to_proto, params_from_proto
 from pdserve.services.grpc_server import service_name
 from pdserve.services.instance import Instance, add_instance_args, run_instance
+from pdserve.services.stream_wait import next_output
 
-DEFAULT_TIMEOUT_S = 600.0  # a prefill with no client deadline
 
 
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
@@ -25,6 +22,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self.loop = instance.loop
 
     def Prefill(self, request, context):
+        from pdserve.services.convert import params_from_proto
+
         rid = request.request_id or uuid.uuid4().hex
         try:
             params = params_from_proto(request.sampling)
@@ -43,16 +42,15 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         context.add_callback(lambda: self.loop.abort(rid))
         try:
-            out = stream.get(timeout=min(context.time_remaining() or DEFAULT_TIMEOUT_S,
-                                         DEFAULT_TIMEOUT_S))
-        except StreamTimeout:
-            self.loop.abort(rid)
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} timed out")
+            out = next_output(stream, context)
         except RuntimeError as e:
             context.abort(grpc.StatusCode.INTERNAL, str(e))
         return self._response(rid, out, user_max_tokens, bool(params.stop))
 
     def _response(self, rid, out, user_max_tokens, has_stop_strings):
+        from pdserve.kv_transfer.connector import KVHandle  # imports torch: not for --help
+        from pdserve.services.convert import handle_to_proto, logprobs_to_proto
+
         c = out.outputs[0]
         first = c.token_ids[0]
         finished = c.finish_reason in ("stop", "error", "abort") or user_max_tokens == 1

@@ -102,3 +102,33 @@ def test_a_listener_gets_every_output_in_order_including_those_queued_before(loo
     assert done.wait(30)
     tokens = list(first.outputs[0].token_ids) + [t for o in got for t in o.outputs[0].token_ids]
     assert len(tokens) == 12 and [o.finished for o in got] == [False] * (len(got) - 1) + [True]
+
+
+def test_load_reports_never_wait_for_the_step_in_progress(tiny_model_dir):
+    """A step held open (as a long prefill holds it) does not hold up stats(): heartbeats
+    and load reports keep flowing, so a busy instance is not taken for a dead one."""
+    engine = CountingEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir)))
+    release, inside = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def held_step():
+        if engine.steps >= 3:  # after a few normal steps, one step that waits for the test
+            inside.set()
+            release.wait(30)
+        return real_step()
+
+    engine.step = held_step
+    loop = EngineLoop(engine).start()
+    try:
+        loop.submit("busy", {"prompt_token_ids": list(range(100, 140))},
+                    SamplingParams(max_tokens=50, ignore_eos=True))
+        assert inside.wait(30)
+        got = []
+        reporter = threading.Thread(target=lambda: got.append(loop.stats()))
+        reporter.start()
+        reporter.join(10)
+        assert got and not reporter.is_alive(), "stats() waited for the step in progress"
+        assert got[0].running_requests == 1 and got[0].free_blocks < got[0].total_blocks
+    finally:
+        release.set()
+        loop.stop()

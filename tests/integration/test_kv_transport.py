@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import select
@@ -250,3 +251,33 @@ def test_nixl_missing_gives_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "nixl._api", None)
     with pytest.raises(KVTransferError, match="pip install nixl"):
         make_transport("nixl", "e0")
+
+
+def _mapped(path: str) -> bool:
+    """Whether this process maps `path` (a deleted file shows with the suffix ' (deleted)')."""
+    with open("/proc/self/maps") as f:
+        return any(path in line for line in f)
+
+
+def test_shm_consumer_unmaps_a_dead_producers_segment() -> None:
+    """A SIGKILLed prefill's segment, swept by its restarted successor, is no longer held by
+    the decode side: the next read (from the new producer) drops the stale mapping."""
+    layout = {**LAYOUT, "dtype": "float32"}
+    first = Producer("shm", layout, seed=11)
+    try:
+        with consumer("shm", layout) as dec:
+            old = first.descriptor["segment"]
+            dec.read_blocks(first.descriptor, [1], [0], first.lease)
+            assert _mapped(old)
+            first.kill()
+            second = Producer("shm", layout, seed=12)  # its start sweeps the dead one's segment
+            try:
+                assert not os.path.exists(old)
+                dec.read_blocks(second.descriptor, [2], [1], second.lease)
+                gc.collect()
+                assert not _mapped(old), "the dead producer's segment is still mapped"
+                assert torch.equal(dec.kv_cache[:, :, 1], second.expected()[:, :, 2])
+            finally:
+                second.stop()
+    finally:
+        first.stop()

@@ -160,6 +160,34 @@ def test_invalid_arguments(clusters, prompt, sampling, field):
     assert field in e.value.details()
 
 
+@pytest.mark.parametrize("prompt, sampling, field", [
+    (list(range(50)), {"max_tokens": 10**6}, "max_tokens"),
+    (list(range(3000)), {"max_tokens": 1}, "prompt"),  # the tiny model's context is 2,048
+    (list(range(50)), {"logprobs": 21}, "logprobs"),
+    (list(range(50)), {"prompt_logprobs": 100}, "prompt_logprobs"),
+])
+def test_caps_equal_the_http_gateways(clusters, prompt, sampling, field):
+    cluster = clusters("shm")
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
+                                         sampling=common_pb2.SamplingParams(**sampling))
+    with pytest.raises(grpc.RpcError) as e:
+        list(router(cluster).Generate(request, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+
+
+def test_invalid_utf8_text_is_invalid_argument(clusters):
+    """Field 2 (text) holding bytes that are not UTF-8, sent raw: proto3 forbids them."""
+    cluster = clusters("shm")
+    raw = grpc.insecure_channel(cluster.router_address).unary_stream(
+        "/pdserve.v1.Router/Generate", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as e:
+        list(raw(b"\x12\x03\xff\xfe\xfd", timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GenerateRequest" in e.value.details() or "Generate" in e.value.details()
+    assert tokens(generate(cluster, list(range(4600, 4620)), max_tokens=2))  # still serves
+
+
 def test_client_cancel_frees_blocks_on_both_sides(clusters):
     cluster = clusters("shm")
     request = router_pb2.GenerateRequest(

