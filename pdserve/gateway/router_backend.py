@@ -59,16 +59,20 @@ class RouterBackend(Backend):
         self.max_model_len = max_model_len
         self.timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
-        # Inside the cluster: the cluster secret on every call (default: from the environment).
-        self._metadata = (credentials or Credentials.load(env={
-            SECRET_ENV: os.environ.get(SECRET_ENV, "")})).call_metadata()
+        # Inside the cluster: the cluster secret on every call (default: from the environment),
+        # over mutual TLS when the credentials have certificates.
+        self._credentials = credentials or Credentials.load(env={
+            SECRET_ENV: os.environ.get(SECRET_ENV, "")})
+        self._metadata = self._credentials.call_metadata()
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
 
     @property
     def stub(self) -> router_pb2_grpc.RouterStub:
         # NOTE: an aio channel belongs to the event loop that made it: make it on first use.
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            tls = self._credentials.tls
+            self._channel = (grpc.aio.secure_channel(self.address, tls.channel_credentials())
+                             if tls is not None else grpc.aio.insecure_channel(self.address))
         return router_pb2_grpc.RouterStub(self._channel)
 
     async def generate(self, request_id: str, prompt: str | list[int],

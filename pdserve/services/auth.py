@@ -10,6 +10,9 @@ Health checks and reflection stay open (probes carry no credentials; reflection 
 method names). Comparisons are constant-time. With no secret configured the internal plane is
 open, as it has to be on a laptop; `pdserve up` always makes one.
 
+With certificates (`--tls-cert-file`, `--tls-key-file`, `--tls-ca-file`; tls.py) every
+connection is mutual TLS as well, and the checks above apply inside it.
+
 Credentials come from files or the environment, never only from argv (where `ps` shows them):
 `PDSERVE_CLUSTER_SECRET` / `--cluster-secret-file`, `PDSERVE_API_KEY` (comma-separated) /
 `--api-key-file` (one key per line) / `--api-key`.
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from pdserve.services.tls import TlsFiles
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -48,6 +53,7 @@ class Credentials:
 
     cluster_secret: str | None = None
     api_keys: tuple[str, ...] = ()
+    tls: TlsFiles | None = None  # mutual TLS on every server and channel, when given
 
     def __post_init__(self) -> None:
         if self.cluster_secret is not None and len(self.cluster_secret) < MIN_SECRET_CHARS:
@@ -61,8 +67,8 @@ class Credentials:
 
     @classmethod
     def load(cls, secret_file: str | None = None, api_keys: tuple[str, ...] = (),
-             api_key_file: str | None = None,
-             env: Mapping[str, str] = os.environ) -> Credentials:
+             api_key_file: str | None = None, env: Mapping[str, str] = os.environ,
+             tls: TlsFiles | None = None) -> Credentials:
         """From files, flags and the environment (files and flags win)."""
         secret = env.get(SECRET_ENV) or None
         if secret_file:
@@ -74,7 +80,7 @@ class Credentials:
         keys += list(api_keys)
         if api_key_file:
             keys += _read_secret_file(api_key_file, "api_key_file")
-        return cls(secret, tuple(dict.fromkeys(keys)))
+        return cls(secret, tuple(dict.fromkeys(keys)), tls)
 
     def token_ok(self, metadata: Mapping[str, str]) -> bool:
         given = metadata.get(TOKEN_HEADER, "")
@@ -110,6 +116,13 @@ def add_credential_args(parser: argparse.ArgumentParser, api_keys: bool = False)
     parser.add_argument("--cluster-secret-file", default=None, metavar="PATH",
                         help=f"file holding the cluster secret (default: ${SECRET_ENV}; "
                         "none: internal calls are not authenticated)")
+    parser.add_argument("--tls-cert-file", default=None, metavar="PATH",
+                        help="this process's certificate (PEM); with --tls-key-file and "
+                        "--tls-ca-file every gRPC connection is mutual TLS (default: none)")
+    parser.add_argument("--tls-key-file", default=None, metavar="PATH",
+                        help="the private key of --tls-cert-file (PEM)")
+    parser.add_argument("--tls-ca-file", default=None, metavar="PATH",
+                        help="the CA that signs every peer's certificate (PEM)")
     if api_keys:
         parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                             help=f"accept this client API key (repeatable; also "
@@ -120,10 +133,12 @@ def add_credential_args(parser: argparse.ArgumentParser, api_keys: bool = False)
 
 def credentials_from_args(args: argparse.Namespace, api_keys: bool = False) -> Credentials:
     """From the flags `add_credential_args` added (API keys only where `api_keys`)."""
+    tls = TlsFiles.load(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
     if not api_keys:
         return Credentials.load(args.cluster_secret_file, env={
-            k: v for k, v in os.environ.items() if k != API_KEY_ENV})
-    return Credentials.load(args.cluster_secret_file, tuple(args.api_key), args.api_key_file)
+            k: v for k, v in os.environ.items() if k != API_KEY_ENV}, tls=tls)
+    return Credentials.load(args.cluster_secret_file, tuple(args.api_key), args.api_key_file,
+                            tls=tls)
 
 
 # ------------------------------------------------------------------------- server side
@@ -182,7 +197,12 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
 
 def internal_channel(address: str, credentials: Credentials,
                      options: list[tuple[str, int]] | None = None) -> grpc.Channel:
-    """A channel whose every call carries the cluster secret (when there is one)."""
-    channel = grpc.insecure_channel(address, options=options or [])
+    """A channel whose every call carries the cluster secret (when there is one), over
+    mutual TLS when the credentials have certificates."""
+    if credentials.tls is not None:
+        channel = grpc.secure_channel(address, credentials.tls.channel_credentials(),
+                                      options=options or [])
+    else:
+        channel = grpc.insecure_channel(address, options=options or [])
     metadata = credentials.call_metadata()
     return grpc.intercept_channel(channel, _TokenInterceptor(metadata)) if metadata else channel

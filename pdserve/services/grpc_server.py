@@ -29,7 +29,9 @@ class GrpcServer:
                                   options=[("grpc.so_reuseport", 0)])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        tls = credentials.tls if credentials is not None else None
+        self.port = (self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+                     if tls is not None else self.server.add_insecure_port(f"{host}:{port}"))
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
