@@ -16,11 +16,11 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from pdserve import LLM, SamplingParams, TokensPrompt
+from report import emit
 
 
 def step_times(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int,
@@ -84,10 +84,7 @@ def main() -> None:
                               else platform.processor() or platform.machine()),
               "dtype": str(config.model.dtype).removeprefix("torch."),
               "torch": torch.__version__, "prompt_len": args.prompt_len, "rows": rows}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.cluster import Cluster, ClusterSpec  # noqa: E402
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
+from report import emit  # noqa: E402
 
 DEADLINE_S = 600.0
 
@@ -150,10 +150,7 @@ def main() -> None:
     result = {"command": "python " + " ".join(["benchmarks/faults.py"] + sys.argv[1:]),
               "model": args.model, "connector": args.connector, "cpu_count": os.cpu_count(),
               "load_avg_at_start": os.getloadavg()[0], "rows": rows}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 import triton
@@ -23,6 +22,7 @@ import triton
 from pdserve.kernels import attention as ref
 from pdserve.kernels import triton_attention as ta
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
+from report import emit
 
 H, KVH, D, BLOCK = 9, 3, 64, 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -127,10 +127,7 @@ def main() -> None:
     result = {"command": "python " + " ".join(["benchmarks/kernels_gpu.py"] + sys.argv[1:]),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "dtype": args.dtype, "rows": rows}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

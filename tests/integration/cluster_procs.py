@@ -123,3 +123,17 @@ def wait_for(predicate, timeout: float = 15, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def prefill_and_decode(model_dir, connector: str, kv_bytes: int = 8 << 20
+                       ) -> tuple[ServerProcess, ServerProcess]:
+    """A prefill (5 s leases) and a decode process of `model_dir` over `connector`."""
+    common = ["--model", str(model_dir), "--connector", connector,
+              "--kv-cache-memory-bytes", str(kv_bytes)]
+    prefill = ServerProcess("prefill", *common, "--kv-lease-s", "5")
+    try:
+        decode = ServerProcess("decode", *common)
+    except Exception:
+        prefill.stop()
+        raise
+    return prefill, decode

@@ -10,7 +10,7 @@ import os
 
 import grpc
 import pytest
-from cluster_procs import ServerProcess
+from cluster_procs import prefill_and_decode
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import LLM, SamplingParams
@@ -22,14 +22,7 @@ GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module", params=["shm", "tcp"])
 def pd(request, tiny_model_dir):
-    common = ["--model", str(tiny_model_dir), "--connector", request.param,
-              "--kv-cache-memory-bytes", str(8 << 20)]
-    prefill = ServerProcess("prefill", *common, "--kv-lease-s", "5")
-    try:
-        decode = ServerProcess("decode", *common)
-    except Exception:
-        prefill.stop()
-        raise
+    prefill, decode = prefill_and_decode(tiny_model_dir, request.param)
     p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
     d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
     yield p, d, decode, request.param

@@ -2,7 +2,7 @@
 
 import grpc
 import pytest
-from cluster_procs import ServerProcess, wait_for
+from cluster_procs import prefill_and_decode, wait_for
 
 from pdserve import LLM, SamplingParams
 from pdserve.kv_transfer import nixl_available
@@ -14,21 +14,9 @@ PROMPT_IDS = list(range(1000, 1090))  # 90 tokens: 5 full blocks and a partial o
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def servers(model_dir, connector):
-    common = ["--model", str(model_dir), "--connector", connector,
-              "--kv-cache-memory-bytes", str(8 << 20)]
-    prefill = ServerProcess("prefill", *common, "--kv-lease-s", "5")
-    try:
-        decode = ServerProcess("decode", *common)
-    except Exception:
-        prefill.stop()
-        raise
-    return prefill, decode
-
-
 @pytest.fixture(scope="module", params=CONNECTORS)
 def pd(request, tiny_model_dir):
-    prefill, decode = servers(tiny_model_dir, request.param)
+    prefill, decode = prefill_and_decode(tiny_model_dir, request.param)
     p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
     d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
     yield p, d, prefill, decode
@@ -139,7 +127,7 @@ def test_invalid_decode_arguments(pd):
 
 
 def test_dead_prefill_instance_decode_recomputes(tiny_model_dir, colocated):
-    prefill, decode = servers(tiny_model_dir, "tcp")
+    prefill, decode = prefill_and_decode(tiny_model_dir, "tcp")
     try:
         p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
         d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
