@@ -27,6 +27,7 @@ from pdserve.gateway.guards import (
     GuardMiddleware,
 )
 from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -171,6 +172,7 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
                        metrics=metrics)
     _install_error_handlers(app)
+    install_openapi(app)
 
     async def serve(request: Request, body, run_cls):
         if body.model is not None and body.model not in served_names:

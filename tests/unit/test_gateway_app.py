@@ -354,3 +354,24 @@ def test_metrics(client, backend):
     m = metric_values(client)
     assert ("pdserve:num_requests_running", "") not in m
     assert m[("pdserve:e2e_request_latency_seconds_count", "")] == 1
+
+
+@pytest.mark.parametrize("path, body, bad", [
+    ("/v1/completions", {"model": "fake-model", "prompt": "Hi", "max_tokens": 4, "temperature": 0.5},
+     {"model": "fake-model", "prompt": "Hi", "max_tokens": "four"}),
+    ("/v1/chat/completions",
+     {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "top_p": 0.9},
+     {"model": "fake-model", "messages": "Hi"}),
+])
+def test_openapi_documents_the_request_bodies(client, path, body, bad):
+    import jsonschema
+
+    doc = client.get("/openapi.json").json()
+    ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    name = ref["$ref"].rsplit("/", 1)[1]
+    schema = {**doc["components"]["schemas"][name], "components": doc["components"]}
+    jsonschema.validate(body, schema)  # a request the server accepts fits the schema
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+    assert client.post(path, json=body).status_code == 200
+    assert client.post(path, json=bad).status_code == 400
