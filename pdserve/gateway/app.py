@@ -35,8 +35,15 @@ from pdserve.gateway.protocol import (
     param_of,
 )
 from pdserve.gateway.serving import ServingContext
+from pdserve.gateway.tokenization import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
 
 logger = logging.getLogger(__name__)
+fields_logger = logging.getLogger("pdserve.gateway")  # vLLM's warning on ignored fields
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer
 
 
@@ -85,17 +92,34 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-async def parse_body(request: Request, model: type[BaseModel]):
-    """The JSON body as `model`; 400 naming the field when it does not fit (whatever the
-    Content-Type: clients of OpenAI's API do not all send one)."""
+async def read_json(request: Request):
+    """The JSON body (whatever the Content-Type: clients of OpenAI's API do not all send
+    one); 400 when it is not JSON."""
     try:
-        data = json.loads(await request.body())
+        return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from e
+
+
+def validate_body(request: Request, data, model: type[BaseModel]):
+    """`data` as `model`; 400 naming the field when it does not fit. Fields `model` does not
+    know are ignored, and logged at WARNING the first time each name is seen (as vLLM)."""
+    if isinstance(data, dict):
+        warned: set[str] = request.app.state.warned_fields
+        unknown = sorted(k for k in data if k not in model.model_fields and k not in warned)
+        if unknown:
+            warned.update(unknown)
+            fields_logger.warning("The following fields were present in the request but "
+                                  "ignored: %s", ", ".join(unknown))
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e.errors(), model) from e
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """The JSON body as `model` (see validate_body)."""
+    return validate_body(request, await read_json(request), model)
 
 
 def _validation_error(errors: list, model: type[BaseModel] | None = None) -> APIError:
@@ -169,15 +193,19 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
     app = FastAPI(title="pdserve", version=pdserve.__version__, docs_url=None, redoc_url=None,
                   lifespan=lifespan)
     app.state.ctx, app.state.admission = ctx, admission
+    app.state.warned_fields = set()
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
                        metrics=metrics)
     _install_error_handlers(app)
     install_openapi(app)
 
-    async def serve(request: Request, body, run_cls):
+    def check_model(body) -> None:
         if body.model is not None and body.model not in served_names:
             raise APIError(404, f"The model `{body.model}` does not exist.",
                            "not_found_error", "model", "model_not_found")
+
+    async def serve(request: Request, body, run_cls):
+        check_model(body)
         admission.enter()
         handed_off = False
         try:
@@ -211,6 +239,30 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
         body = await parse_body(request, ChatCompletionRequest)
         return await serve(request, body, ChatRun)
 
+    @app.post("/invocations")  # vLLM's SageMaker-compatible endpoint
+    async def invocations(request: Request):
+        data = await read_json(request)
+        if isinstance(data, dict) and "messages" in data:
+            body = validate_body(request, data, ChatCompletionRequest)
+            return await serve(request, body, ChatRun)
+        if isinstance(data, dict) and "prompt" in data:
+            body = validate_body(request, data, CompletionRequest)
+            return await serve(request, body, CompletionRun)
+        raise APIError(400, "invocations: the body needs `messages` (a chat completion) or "
+                            "`prompt` (a completion)")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        body = await parse_body(request, TokenizeRequest)
+        check_model(body)
+        return tokenize(ctx, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        body = await parse_body(request, DetokenizeRequest)
+        check_model(body)
+        return detokenize(ctx, body)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
@@ -218,6 +270,8 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
             "root": info.root, "parent": None, "max_model_len": info.max_model_len}]}
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM / SageMaker
+    @app.post("/ping")
     async def health():
         if not await backend.health():
             raise APIError(503, "no healthy instance", "service_unavailable_error",

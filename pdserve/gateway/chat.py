@@ -53,11 +53,17 @@ class ChatRun:
         out = []
         for idx in range(self.req.n):
             c = choices.get(idx, Choice())
-            out.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": self._logprobs(c.logprobs, c.token_ids),
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
+            choice = {"index": idx, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": self._logprobs(c.logprobs, c.token_ids),
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if self.req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
+        body = {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": out, "usage": gen.usage.to_dict()}
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_ids
+        return body
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -68,18 +74,25 @@ class ChatRun:
 
     async def stream(self, gen: Generation) -> AsyncIterator[str]:
         try:
+            ids = self.req.return_token_ids
             for idx in range(self.req.n):
-                yield sse(self._chunk([{"index": idx,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]))
+                chunk = self._chunk([{"index": idx,
+                                      "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                if ids and idx == 0:
+                    chunk["prompt_token_ids"] = self.prompt_ids
+                yield sse(chunk)
             async for idx, d in gen:
                 logprobs = self._logprobs(d.logprobs, d.token_ids)
-                if not (d.text or d.finish_reason or (logprobs and logprobs["content"])):
+                if not (d.text or d.finish_reason or (logprobs and logprobs["content"])
+                        or (ids and d.token_ids)):
                     continue
-                yield sse(self._chunk([{"index": idx,
-                                        "delta": {"content": d.text} if d.text else {},
-                                        "logprobs": logprobs, "finish_reason": d.finish_reason,
-                                        "stop_reason": d.stop_reason}]))
+                choice = {"index": idx, "delta": {"content": d.text} if d.text else {},
+                          "logprobs": logprobs, "finish_reason": d.finish_reason,
+                          "stop_reason": d.stop_reason}
+                if ids:
+                    choice["token_ids"] = list(d.token_ids)
+                yield sse(self._chunk([choice]))
             if self.req.include_usage:
                 yield sse(self._chunk([]) | {"usage": gen.usage.to_dict()})
         except (BackendError, ValueError) as e:

@@ -15,6 +15,7 @@ from pdserve.gateway.serving import (
     CompletionLogprobs,
     ServingContext,
     error_event,
+    prompt_logprobs_json,
     sse,
 )
 
@@ -39,9 +40,13 @@ class CompletionRun:
         self.requests = [(ids, req.sampling_params(ctx.max_tokens(len(ids), req.max_tokens),
                                                    ctx.max_logprobs))
                          for ids in self.prompt_ids]
-        if req.echo and req.logprobs is not None and not ctx.backend.supports_prompt_logprobs:
-            raise bad_request("echo: prompt logprobs are not available from this backend",
-                              "echo")
+        if not ctx.backend.supports_prompt_logprobs:
+            if req.prompt_logprobs is not None:
+                raise bad_request("prompt_logprobs: not available from this backend",
+                                  "prompt_logprobs")
+            if req.echo and req.logprobs is not None:
+                raise bad_request("echo: prompt logprobs are not available from this backend",
+                                  "echo")
         self.n = req.n
         self.prompt_logprobs: dict[int, list[PositionLogprobs]] = {}
 
@@ -80,8 +85,16 @@ class CompletionRun:
                 logprobs = _merge(logprobs, fmt.format(c.logprobs, c.token_ids))
             if self.req.echo:
                 text = self.echo_text(p) + text
-            out.append({"index": idx, "text": text, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choice = {"index": idx, "text": text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if self.req.prompt_logprobs is not None:
+                positions = self.prompt_logprobs.get(p) or [None] * len(self.prompt_ids[p])
+                choice["prompt_logprobs"] = prompt_logprobs_json(positions,
+                                                                 self.req.prompt_logprobs)
+            if self.req.return_token_ids:
+                choice["prompt_token_ids"] = self.prompt_ids[p]
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
         body = self._chunk(out)
         body["usage"] = gen.usage.to_dict()
         return body
@@ -101,10 +114,16 @@ class CompletionRun:
                         logprobs = self.echo_logprobs(idx // self.n, fmt)
                 if self.req.logprobs is not None and d.logprobs is not None:
                     logprobs = _merge(logprobs, fmt.format(d.logprobs, d.token_ids))
-                if not (text or d.finish_reason or (logprobs and logprobs["tokens"])):
+                ids = self.req.return_token_ids
+                if not (text or d.finish_reason or (logprobs and logprobs["tokens"])
+                        or (ids and (first or d.token_ids))):
                     continue
                 choice = {"index": idx, "text": text, "logprobs": logprobs,
                           "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                if ids:
+                    if first:
+                        choice["prompt_token_ids"] = self.prompt_ids[idx // self.n]
+                    choice["token_ids"] = list(d.token_ids)
                 yield sse(self._chunk([choice]) | usage_field)
             if self.req.include_usage:
                 yield sse(self._chunk([]) | {"usage": gen.usage.to_dict()})

@@ -12,6 +12,8 @@ from pdserve.gateway.protocol import APIError
 
 DEFAULT_MAX_CONCURRENCY = 64
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# Paths that need the API key: the OpenAI API, and vLLM's endpoints that use the model.
+PROTECTED_PATHS = ("/v1", "/invocations", "/tokenize", "/detokenize")
 
 
 class Admission:
@@ -34,8 +36,8 @@ class Admission:
 
 
 class GuardMiddleware:
-    """Before routing: the API key (on /v1/*), then the body size (read fully, replayed);
-    counts error statuses."""
+    """Before routing: the API key (on PROTECTED_PATHS), then the body size (read fully,
+    replayed); counts error statuses."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics):
         self.app, self.api_key, self.max_body_bytes, self.metrics = (
@@ -50,7 +52,8 @@ class GuardMiddleware:
                 self.metrics.rejected(message["status"])
             await send(message)
 
-        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if (self.api_key and scope["path"].startswith(PROTECTED_PATHS)
+                and not self._authorized(scope)):
             return await _send_error(counting_send, APIError(
                 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                 "authentication_error", code="invalid_api_key"))

@@ -1,7 +1,7 @@
 """OpenAI request bodies (with vLLM's extra sampling fields) and their SamplingParams.
 
 Types are checked by pydantic; values by SamplingParams, whose ValueErrors name the field.
-Unknown fields are ignored, as in vLLM.
+Unknown fields are ignored (and logged once per name by the app), as in vLLM.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    return_token_ids: bool | None = None  # vLLM: generated (and prompt) token ids in the answer
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -115,6 +116,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -133,12 +135,18 @@ class CompletionRequest(_SamplingRequest):
                         max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         """The request's SamplingParams; APIError 400 naming the field when one is bad."""
         _check_logprobs("logprobs", self.logprobs, max_logprobs)
+        _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs: not available when stream is true",
+                              "prompt_logprobs")
         if self.suffix is not None:
             raise bad_request("suffix: not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request(f"best_of: only best_of == n is supported, got {self.best_of}",
                               "best_of")
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                 if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
 
 

@@ -23,16 +23,18 @@ class ServingContext:
     metrics: GatewayMetrics
     max_logprobs: int = 20  # the most logprobs a request may ask for (-1: no cap)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, as the engine's input processor makes them."""
-        return list(self.tokenizer.encode(text))
+        if add_special_tokens:
+            return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    kwargs: dict | None = None) -> list[int]:
+                    kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
         """The conversation rendered with the model's chat template, as `LLM.chat` does."""
         try:
             text = self.tokenizer.apply_chat_template(
@@ -41,7 +43,7 @@ class ServingContext:
                 continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as e:  # jinja raises many kinds
             raise bad_request(f"messages: the chat template failed: {e}", "messages") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def max_tokens(self, prompt_len: int, requested: int | None, what: str = "prompt") -> int:
         """`requested`, checked against the room left in the context; the room if None."""
@@ -130,6 +132,20 @@ class CompletionLogprobs:
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
+
+
+def prompt_logprobs_json(positions: list[PositionLogprobs], k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token_id (str):
+    {logprob, rank, decoded_token}} for the prompt token and the k most likely ones."""
+    out: list[dict | None] = []
+    for pos in positions:
+        if not pos:
+            out.append(None)
+            continue
+        kept = [pos[0]] + [e for e in pos[1:] if e.rank is not None and e.rank <= k]
+        out.append({str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank,
+                                      "decoded_token": e.text} for e in kept})
+    return out
 
 
 def chat_logprobs(ctx: ServingContext, positions: list[PositionLogprobs],
