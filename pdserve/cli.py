@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from pdserve.cli_help import HelpFormatter, finish_help
@@ -73,18 +74,26 @@ def main(argv: list[str] | None = None) -> int:
         check_ports(args)
         return args.func(args)
     except PortInUse as e:
-        _error(e)
+        _error(e, args)
         return 1
     except ValueError as e:
-        _error(e)
+        _error(e, args)
         return 2
     except KeyboardInterrupt:
         return 130
 
 
-def _error(e: Exception) -> None:
-    """One line on stderr, however many lines the message had (transformers' often do)."""
-    print("error: " + " ".join(str(e).split()), file=sys.stderr)
+def _error(e: Exception, args: argparse.Namespace) -> None:
+    """One line on stderr, however many lines the message had (transformers' often do); a
+    JSON record with --log-format json."""
+    message = "error: " + " ".join(str(e).split())
+    if getattr(args, "log_format", "text") == "json":
+        from pdserve.logging_setup import report, setup_logging
+
+        setup_logging(getattr(args, "log_level", "info"), "json")
+        report(message, logging.ERROR)
+    else:
+        print(message, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,18 @@ FLAG_HELP: dict[str | tuple[str, str], str] = {
     "prefill_attempts": "prefill instances tried for a prompt before the decode instance "
                         "prefills it itself",
     "prefill_timeout_s": "seconds one Prefill call may take before another is tried",
-    "log_level": "the server's log level",
     ("up", "model"): "the model every instance serves (a name, a Hugging Face directory or a "
                      ".gguf file)",
     ("up", "num_prefill"): "prefill instances to start (0: decode instances prefill)",
     ("up", "num_decode"): "decode instances to start",
     ("up", "disagg_threshold"): "uncached prompt tokens from which a prompt is prefilled on a "
                                 "prefill instance (0: always)",
-    ("up", "kv_cache_memory_bytes"): "each instance's KV cache in bytes (default: its own "
-                                     "share of memory)",
+    ("up", "kv_cache_memory_bytes"): "each instance's KV cache in bytes (default: 4 GiB on "
+                                     "CPU, an error if not available; on CUDA what "
+                                     "gpu_memory_utilization leaves)",
+    ("up", "kv_cache_memory_fraction"): "each instance's KV cache as a share of memory "
+                                        "instead: of total RAM on CPU, of the GPU's memory "
+                                        "(weights included) on CUDA (default: none)",
     ("up", "redis_url"): "share the prefix index through this Redis (default: the router's, "
                          "in memory)",
     ("up", "startup_timeout_s"): "seconds every process has to become ready",

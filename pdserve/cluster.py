@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import secrets
 import signal
@@ -28,6 +29,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.logging_setup import (FORMATS, LEVELS, add_log_args, announce, report,
+                                   setup_from_args)
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
@@ -60,6 +63,7 @@ class ClusterSpec:
     grpc_port: int = 50051
     disagg_threshold: int = 64
     kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
     redis_url: str | None = None
     startup_timeout_s: float = 180.0
     log_dir: str | None = None  # default: a fresh temporary directory
@@ -67,6 +71,8 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()  # extra flags for the router
     http_port: int | None = None  # the OpenAI-format gateway in front of the router (None: none)
     api_key: str | None = None  # the gateway's Bearer key
+    log_level: str = "info"  # every process's --log-level and --log-format
+    log_format: str = "text"
     # The internal plane's secret, given to every child in its environment (never argv);
     # None: internal calls are not authenticated. `pdserve up` always makes one.
     cluster_secret: str | None = field(default=None, repr=False)
@@ -79,6 +85,9 @@ class ClusterSpec:
             raise ValueError(f"connector: expected shm, tcp or nixl, got {self.connector!r}")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+        if self.log_level not in LEVELS or self.log_format not in FORMATS:
+            raise ValueError(f"log_level / log_format: expected one of {LEVELS} / {FORMATS}, "
+                             f"got {self.log_level!r} / {self.log_format!r}")
 
 
 @dataclass
@@ -173,12 +182,15 @@ class Cluster:
                    "--router", self.router_address, "--instance-id", name, *s.instance_args]
             if s.kv_cache_memory_bytes:
                 cmd += ["--kv-cache-memory-bytes", str(s.kv_cache_memory_bytes)]
+            if s.kv_cache_memory_fraction:
+                cmd += ["--kv-cache-memory-fraction", str(s.kv_cache_memory_fraction)]
             if s.redis_url:
                 cmd += ["--redis-url", s.redis_url]
             self._spawn(name, role, addresses[name], cmd)
 
     def _spawn(self, name: str, role: str, address: str, args: list[str]) -> None:
         log_path = self.log_dir / f"{name}.log"
+        args = [*args, "--log-level", self.spec.log_level, "--log-format", self.spec.log_format]
         # NOTE: preexec_fn runs between fork and exec; it only calls a libc function loaded
         # beforehand, so the usual hazard with threads (a lock held at fork) does not apply.
         with open(log_path, "wb") as log:
@@ -328,45 +340,55 @@ def add_cli(subparsers) -> None:
                    help="the router's port (0 picks a free one)")
     p.add_argument("--disagg-threshold", type=int, default=ClusterSpec.disagg_threshold)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="instances log no periodic stats (default: every 10 s with traffic)")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--startup-timeout-s", type=float, default=ClusterSpec.startup_timeout_s)
     p.add_argument("--log-dir", default=None)
+    add_log_args(p)
     p.set_defaults(func=run_up)
 
 
 def run_up(args: argparse.Namespace) -> int:
+    setup_from_args(args)
     # A fresh secret for this cluster's internal plane, unless the caller set one.
     secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)
     spec = ClusterSpec(
         model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
         connector=args.connector, host=args.host, grpc_port=args.grpc_port,
         disagg_threshold=args.disagg_threshold, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
         log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
-        api_key=args.api_key, cluster_secret=secret)
+        api_key=args.api_key, cluster_secret=secret, log_level=args.log_level,
+        log_format=args.log_format,
+        instance_args=("--disable-log-stats",) if args.disable_log_stats else ())
     cluster = Cluster(spec)
+    announce(f"logs       {cluster.log_dir}")  # first, so a slow or failed start can be read
     stop = cluster.interrupted
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         cluster.start()
     except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report(f"error: {e}", logging.ERROR)
         return 1
-    print(cluster.describe(), flush=True)
-    print("ready; Ctrl-C stops everything", flush=True)
+    for line in cluster.describe().splitlines():
+        announce(line)
+    announce("ready; Ctrl-C stops everything")
     code, reported = 0, set()
     while not stop.wait(0.5):
         for child in cluster.dead():
             if child.name not in reported:
                 reported.add(child.name)
-                print(f"warning: {child.name} exited with code {child.proc.returncode}; last "
-                      f"lines:\n{child.tail()}", file=sys.stderr, flush=True)
+                report(f"warning: {child.name} exited with code {child.proc.returncode}; "
+                       f"last lines:\n{child.tail()}")
         if "router" in reported:
             code = 1
             break
     cluster.stop()
-    print("stopped", flush=True)
+    announce("stopped")
     return code
 
 

@@ -87,10 +87,12 @@ class CacheConfig:
     """Paged KV cache: block size and how much memory the blocks may take."""
 
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    # Fraction of device memory (CUDA) or of available RAM (CPU) for weights + KV cache.
+    kv_cache_memory_bytes: int | None = None  # wins over both fractions (engine/kv_budget.py)
+    # CUDA: the share of GPU memory for weights + KV cache (vLLM's); unused on CPU.
     gpu_memory_utilization: float = 0.92
     enable_prefix_caching: bool = True
+    # CPU: the share of total RAM for the KV cache; CUDA: replaces gpu_memory_utilization.
+    kv_cache_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -101,6 +103,10 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction (--kv-cache-memory-fraction) must be "
+                             f"in (0, 1], got {fraction}")
 
 
 @dataclass(frozen=True)
@@ -153,9 +159,23 @@ def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> 
 
 
 def available_memory_bytes() -> int:
-    """Memory the OS reports as available (CPU sizing of the KV cache)."""
+    """Memory the OS reports as available (the CPU KV cache must fit in it)."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def total_memory_bytes() -> int:
+    """The machine's RAM, or this process's cgroup memory limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total

@@ -10,13 +10,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine import vllm_args
+from pdserve.engine.kv_budget import CPU_DEFAULT_KV_BYTES
 from pdserve.models.loader import (DEFAULT_MODEL, TOKENIZER_MODES, HfOverrides, ResolvedModel,
                                    load_arch, resolve_model, resolve_tokenizer)
 
 if TYPE_CHECKING:  # pdserve.config imports torch: loaded when a config is built, not for --help
     from pdserve.config import EngineConfig, TokenizerConfig
-
-CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 @dataclass
@@ -35,6 +34,7 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
     gpu_memory_utilization: float = 0.92
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
@@ -95,7 +95,8 @@ class EngineArgs:
             tokenizer=self.create_tokenizer_config(resolved), max_logprobs=self.max_logprobs,
             served_model_name=vllm_args.served_names(self.served_model_name))
         cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
-                            self.gpu_memory_utilization, self.enable_prefix_caching)
+                            self.gpu_memory_utilization, self.enable_prefix_caching,
+                            self.kv_cache_memory_fraction)
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                     self.scheduling_policy, self.enable_chunked_prefill,
                                     self.kv_lease_s, self.kv_failure_policy)
@@ -159,8 +160,15 @@ _HELP = {
     "seed": "the engine's random seed (sampling without a per-request seed)",
     "max_model_len": "longest prompt + output in tokens (default: the model's context length)",
     "block_size": "tokens per KV cache block (a power of two)",
-    "kv_cache_memory_bytes": "bytes for the KV cache (default: a share of free memory)",
-    "gpu_memory_utilization": "on CUDA, the share of GPU memory the engine may use",
+    "kv_cache_memory_bytes": f"bytes for the KV cache, winning over the fractions (default: "
+                             f"{CPU_DEFAULT_KV_BYTES >> 30} GiB on CPU whatever memory is free, "
+                             f"an error if it is not available; on CUDA what "
+                             f"--gpu-memory-utilization leaves after the weights)",
+    "kv_cache_memory_fraction": "the KV cache as a share of memory instead: on CPU of total "
+                                "RAM; on CUDA of the GPU's memory, weights included, as "
+                                "--gpu-memory-utilization (default: none)",
+    "gpu_memory_utilization": "on CUDA, the share of GPU memory the engine may use (weights "
+                              "and KV cache); not used on CPU",
     "enable_prefix_caching": "reuse the KV blocks of earlier prompts' common prefixes",
     "max_num_batched_tokens": "most tokens one engine step computes",
     "max_num_seqs": "most requests running at once",
@@ -180,27 +188,8 @@ _HELP = {
     "quantization": "none, or gguf for a .gguf model (dequantized when loaded)",
     "tensor_parallel_size": "only 1 is supported",
     "pipeline_parallel_size": "only 1 is supported",
-    "disable_log_stats": "pdserve logs no periodic stats anyway; /metrics is unaffected",
+    "disable_log_stats": "servers log no periodic stats (throughput, requests, KV cache usage "
+                         "every 10 s while there is traffic); /metrics is unaffected",
     **{name: _IGNORED_HELP for name in vllm_args.ignored_names()},
 }
 
-
-def num_kv_blocks(config: EngineConfig) -> int:
-    """How many KV blocks fit: `kv_cache_memory_bytes` if given, else a share of memory."""
-    from pdserve.config import available_memory_bytes, kv_bytes_per_block
-
-    per_block = kv_bytes_per_block(config.model.arch, config.cache.block_size, config.model.dtype)
-    budget = config.cache.kv_cache_memory_bytes
-    if budget is None:
-        if config.device.device == "cuda":
-            import torch
-
-            free, total = torch.cuda.mem_get_info()
-            budget = int(total * config.cache.gpu_memory_utilization) - (total - free)
-        else:
-            budget = min(CPU_DEFAULT_KV_BYTES, available_memory_bytes() // 4)
-    blocks = budget // per_block
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
-                         f"({per_block} bytes each)")
-    return int(blocks)

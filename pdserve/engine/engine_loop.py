@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.engine.request_log import RequestLog
+from pdserve.engine.stats_logger import Counters, StatsLogger
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -87,17 +90,24 @@ class EngineStats:
     kv_transfer_seconds: float
     kv_loads_failed: int
     cached_blocks: int
+    prompt_tokens: int = 0  # computed so far (prefill), and sampled so far
+    generation_tokens: int = 0
 
 
 class EngineLoop:
     """Owns the thread that steps an engine; thread-safe submit / abort / release."""
 
     def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.05,
-                 on_failure: Callable[[Exception], None] | None = None):
+                 on_failure: Callable[[Exception], None] | None = None,
+                 log_requests: bool = False, log_stats: bool = False):
         """`on_failure(error)` runs on the loop's thread if a step raises (the loop is dead
-        then: every stream gets the error, later calls raise)."""
+        then: every stream gets the error, later calls raise). Servers set `log_requests`
+        (one INFO line per request's end, request_log.py) and `log_stats` (periodic stats,
+        stats_logger.py; off with --disable-log-stats)."""
         self.engine = engine
         self.on_failure = on_failure
+        self.request_log = RequestLog() if log_requests else None
+        self.stats_logger = StatsLogger() if log_stats else None
         # Load as of the end of the last step, so that load reports and heartbeats never wait
         # for a step in progress (a long prefill must not look like a dead instance).
         self._latest_stats: EngineStats | None = None
@@ -125,6 +135,7 @@ class EngineLoop:
         params = params.clone()
         params.output_kind = output_kind
         stream = OutputStream(self, request_id)
+        start = time.monotonic()
 
         def add() -> None:
             if self._stopped.is_set():
@@ -134,6 +145,10 @@ class EngineLoop:
             self.engine.add_request(request_id, prompt, params, priority=priority,
                                     kv_transfer_params=kv_transfer_params)
             self._streams[request_id] = stream
+            if self.request_log is not None:
+                parent = self.engine.output_processor.parents[request_id]
+                self.request_log.started(request_id, output_kind,
+                                         len(parent.prompt_token_ids), start)
 
         self.call(add)
         return stream
@@ -144,6 +159,8 @@ class EngineLoop:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 self.engine.abort_request(request_id)
+                if self.request_log is not None:
+                    self.request_log.ended(request_id, "abort")
             return stream is not None
 
         return self.call(abort)
@@ -203,7 +220,9 @@ class EngineLoop:
             prefix_queries=pool.num_queries, prefix_hits=pool.num_hits,
             kv_bytes_received=sched.kv_bytes_received,
             kv_transfer_seconds=sched.kv_transfer_seconds,
-            kv_loads_failed=sched.kv_loads_failed, cached_blocks=len(pool.cached))
+            kv_loads_failed=sched.kv_loads_failed, cached_blocks=len(pool.cached),
+            prompt_tokens=self.engine.num_prompt_tokens,
+            generation_tokens=self.engine.num_generation_tokens)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -223,16 +242,30 @@ class EngineLoop:
             for stream, output in streams:
                 if stream is not None:
                     stream.put(output)
+            self._log(outputs, self._latest_stats)
             if not busy:
                 self._wake.wait(self.idle_tick_s)
                 self._wake.clear()
         self._run_calls()  # those queued while it stopped
+
+    def _log(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        if self.request_log is not None:
+            for output in outputs:
+                self.request_log.output(output)
+        if self.stats_logger is not None:
+            self.stats_logger.observe(
+                Counters(stats.prompt_tokens, stats.generation_tokens, stats.prefix_queries,
+                         stats.prefix_hits),
+                stats.running_requests, stats.waiting_requests,
+                stats.total_blocks - stats.free_blocks, stats.total_blocks)
 
     def _fail_all(self, error: Exception) -> None:
         self._stopped.set()
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
+            if self.request_log is not None:
+                self.request_log.ended(stream.request_id, "error", f"engine failed: {error}")
             stream.put(RuntimeError(f"engine failed: {error}"))
         self._run_calls()
         if self.on_failure is not None:

@@ -6,14 +6,17 @@ A step reads like a sentence: schedule, execute, update; then outputs are made.
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Iterable
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.engine_args import EngineArgs, num_kv_blocks
+from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.input_processor import InputProcessor
+from pdserve.engine.kv_budget import gib, num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.output_processor import OutputProcessor
@@ -24,6 +27,8 @@ from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import load_state_dict, load_tokenizer
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(config: EngineConfig) -> LlamaForCausalLM:
@@ -45,8 +50,16 @@ class LLMEngine:
         self.connector = connector or KVConnector()
         tok = config.model.tokenizer_config
         self.tokenizer = load_tokenizer(tok.source, tok.mode, tok.chat_template)
+        # On CPU the cache's size does not depend on the weights, so a cache that cannot fit
+        # fails before they load; on CUDA it is what the loaded weights leave.
+        on_cpu = config.device.device == "cpu"
+        self.num_blocks = num_kv_blocks(config) if on_cpu else 0
+        start = time.perf_counter()
+        logger.info("loading %s (%s)...", config.model.model, self._dtype_device())
         self.model = load_model(config)
-        self.num_blocks = num_kv_blocks(config)
+        logger.info("loaded %s in %.1f s", config.model.model, time.perf_counter() - start)
+        if not on_cpu:
+            self.num_blocks = num_kv_blocks(config)
         self.block_pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching,
                                     record_kv_events)
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size,
@@ -60,6 +73,30 @@ class LLMEngine:
                                               config.cache.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # Tokens computed so far: prompt tokens (prefill, recomputation included) and tokens
+        # sampled; servers log their rates (engine_loop's StatsLogger).
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        logger.info("KV cache: %s", self.kv_cache_summary())
+
+    def _dtype_device(self) -> str:
+        return f"{str(self.config.model.dtype).removeprefix('torch.')}, " \
+               f"{self.config.device.device}"
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+
+    def kv_cache_summary(self) -> str:
+        """E.g. '5825 blocks of 16 tokens = 93200 tokens, 4.00 GiB'."""
+        bs = self.config.cache.block_size
+        return (f"{self.num_blocks} blocks of {bs} tokens = {self.num_blocks * bs} tokens, "
+                f"{gib(self.kv_cache_bytes)}")
+
+    def describe(self) -> str:
+        """One line for a server's startup log: model, dtype, device and KV cache."""
+        return (f"{self.config.model.served_name} ({self._dtype_device()}), KV cache "
+                f"{self.kv_cache_summary()}")
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> LLMEngine:
@@ -97,7 +134,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, execute the model, update requests, make outputs."""
         sched = self.scheduler.schedule()
+        self.num_prompt_tokens += sum(
+            max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
+            for c in sched.chunks)
         result = self.runner.execute(sched)
+        self.num_generation_tokens += len(result.sampled)
         touched = self.scheduler.update(sched, result)
         stopped = self.output_processor.process(touched, result)
         self.scheduler.finish_requests([r.request_id for r in stopped],

@@ -32,17 +32,22 @@ from pdserve.sampling_params import SamplingParams
 class LocalBackend(Backend):
     supports_prompt_logprobs = True
 
-    def __init__(self, engine: LLMEngine, model: str | None = None):
+    def __init__(self, engine: LLMEngine, model: str | None = None,
+                 log_requests: bool = False, log_stats: bool = False):
+        """`log_requests`, `log_stats`: the engine loop's request-end and periodic stats
+        lines (EngineLoop)."""
         self.engine = engine
         self.model = model or engine.config.model.model
-        self.loop = EngineLoop(engine).start()
+        self.loop = EngineLoop(engine, log_requests=log_requests, log_stats=log_stats).start()
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-call")
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LocalBackend:
-        """An engine built from `engine_args`, served as its served_model_name (or model)."""
+        """An engine built from `engine_args`, served as its served_model_name (or model),
+        logging each request's end and, unless disable_log_stats, periodic stats."""
         engine = LLMEngine.from_engine_args(engine_args)
-        return cls(engine, engine.config.model.served_name)
+        return cls(engine, engine.config.model.served_name, log_requests=True,
+                   log_stats=not engine_args.disable_log_stats)
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)

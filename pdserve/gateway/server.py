@@ -21,11 +21,13 @@ import sys
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
+from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.services.auth import add_credential_args
 
 DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 5
+logger = logging.getLogger(__name__)
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +40,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight beyond which new ones get HTTP 429")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get HTTP 413")
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    add_log_args(parser)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -54,14 +55,18 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve_http(app, host: str, port: int, log_level: str = "info") -> int:
-    """Serve `app` until SIGTERM/SIGINT (uvicorn handles both, then runs app shutdown)."""
+    """Serve `app` until SIGTERM/SIGINT (uvicorn handles both, then runs app shutdown).
+    uvicorn logs through pdserve's handler (logging_setup), in its format."""
     import uvicorn
 
     sock = bind(host, port)
-    bound = sock.getsockname()[1]
-    print(f"pdserve gateway listening on http://{host}:{bound}", flush=True)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    description = getattr(app.state, "description", None)
+    if description:
+        logger.info("serving %s; OpenAI API on %s/v1", description, url)
+    announce(f"pdserve gateway listening on {url}")
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     # uvicorn stops gracefully on SIGTERM/SIGINT, then re-sends the signal to the handler it
     # found: make that a no-op, so a requested stop exits 0 like the other pdserve servers.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -102,20 +107,23 @@ def build_serve_app(args: argparse.Namespace):
                                 credentials=credentials_from_args(args))
         tokenizer = load_tokenizer(tok.source, tok.mode, tok.chat_template)
         names = vllm_args.served_names(engine_args.served_model_name) or (engine_args.model,)
+        description = f"{names[0]} through the router at {args.router}"
     else:
         from pdserve.gateway.local_backend import LocalBackend
 
         backend = LocalBackend.from_engine_args(engine_args)
         tokenizer = None  # the backend's: the engine's tokenizer and chat template
         names = backend.engine.config.model.served_model_name or (backend.model,)
-    return build_app(backend, names, args.api_key, tokenizer=tokenizer,
-                     max_logprobs=engine_args.max_logprobs,
-                     max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes)
+        description = backend.engine.describe()
+    app = build_app(backend, names, args.api_key, tokenizer=tokenizer,
+                    max_logprobs=engine_args.max_logprobs,
+                    max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes)
+    app.state.description = description  # serve_http's startup line
+    return app
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_from_args(args)
     return serve_http(build_serve_app(args), args.host, args.port, args.log_level)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.transport import KVLayout, KVTransport
+from pdserve.kv_transfer.transport import KVLayout, KVTransport, zeroed_kv_cache
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class KVConnector:
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype,
                           device: str) -> torch.Tensor:
         """Zeroed cache of `shape` (layers, 2, blocks, block_size, kv_heads, head_dim)."""
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return zeroed_kv_cache(shape, dtype, device)
 
     def make_handle(self, request_id: str, block_ids: list[int], block_hashes: list[int],
                     num_tokens: int, lease_expires_at: float) -> KVHandle | None:

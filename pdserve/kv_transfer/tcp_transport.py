@@ -29,7 +29,7 @@ import torch
 from pdserve.kv_transfer.block_runs import BlockRun, check_block_ids, remote_runs
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.socket_io import recv_exact, recv_into_views, send_views
-from pdserve.kv_transfer.transport import KVLayout, KVTransport, plane_bytes
+from pdserve.kv_transfer.transport import KVLayout, KVTransport, plane_bytes, zeroed_kv_cache
 
 MAGIC = b"PDKV"
 OP_HELLO, OP_READ = 1, 2
@@ -86,7 +86,7 @@ class TcpTransport(KVTransport):
         if self._kv_cache is not None:
             raise KVTransferError(f"tcp transport {self.engine_id!r} already has a KV cache")
         # (layers, 2, blocks, block_size, kv_heads, head_dim)
-        self._kv_cache = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
+        self._kv_cache = zeroed_kv_cache(layout.shape, layout.torch_dtype, device)
         return self._kv_cache
 
     # ------------------------------------------------------------------ producer

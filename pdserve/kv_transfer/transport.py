@@ -16,6 +16,8 @@ Descriptor (common keys; each backend adds its own, see its module):
 from __future__ import annotations
 
 import hmac
+import math
+import mmap
 import secrets
 import threading
 from abc import ABC, abstractmethod
@@ -114,6 +116,22 @@ class KVLayout:
         if mine != theirs:
             diff = {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
             raise KVTransferError(f"KV layouts differ (remote, local): {diff}")
+
+
+def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
+                    device: str | torch.device = "cpu") -> torch.Tensor:
+    """A zeroed cache tensor. On CPU it lives in an anonymous mapping, whose pages the OS
+    zeroes when first touched: a 4 GiB cache costs no time and no memory until its blocks are
+    used (torch.zeros writes every byte at once: seconds, and the whole size resident)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, nbytes)  # kept alive by the tensor (torch.frombuffer)
+    try:  # fewer page faults and TLB misses, where the kernel has transparent huge pages
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 def plane_bytes(cache: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL, load_arch, load_tokenizer, resolve_model
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # generate_flow imports torch (through the KV handle): not fo
     from pdserve.router.generate_flow import RouterCore
 
 DEFAULT_PORT = 50051
+logger = logging.getLogger(__name__)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -163,11 +165,12 @@ def add_cli(subparsers) -> None:
                    help="read the prefix index from this Redis (default: in-process, fed by "
                         "the instances' KV events)")
     add_credential_args(p, api_keys=True)
+    add_log_args(p)
     p.set_defaults(func=run_router)
 
 
 def run_router(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    setup_from_args(args)
     config = RouterConfig(model=args.model, disagg_threshold=args.disagg_threshold,
                           prefill_attempts=args.prefill_attempts,
                           prefill_timeout_s=args.prefill_timeout_s,
@@ -182,7 +185,10 @@ def run_router(args: argparse.Namespace) -> int:
     router = RouterServer(config, args.host, args.grpc_port, args.prefill, args.decode, index,
                           credentials=credentials)
     router.start()
-    print(f"router listening on {router.address}", flush=True)
+    logger.info("router serving %s; gRPC on %s, prefix index %s, instances %s", args.model,
+                router.address, "in Redis" if args.redis_url else "in memory",
+                " ".join(args.prefill + args.decode) or "by heartbeat")
+    announce(f"router listening on {router.address}")
     router.serve_until_signal()
     return 0
 

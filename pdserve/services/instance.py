@@ -13,6 +13,7 @@ import grpc
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
 from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
@@ -49,7 +50,8 @@ class Instance:
         sink = self.index or (RouterSink(self.channels.get(router)) if router else None)
         self.engine = LLMEngine.from_engine_args(engine_args, connector=self.connector,
                                                  record_kv_events=sink is not None)
-        self.loop = EngineLoop(self.engine, on_failure=self._engine_failed)
+        self.loop = EngineLoop(self.engine, on_failure=self._engine_failed, log_requests=True,
+                               log_stats=not engine_args.disable_log_stats)
         self.publisher = (KVEventPublisher(self.loop, sink, self.instance_id)
                           if sink is not None else None)
         self.router = router
@@ -143,12 +145,13 @@ def add_instance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None,
                         help="publish KV events and heartbeats to this Redis prefix index")
     add_credential_args(parser)
+    add_log_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
 def run_instance(role: str, args: argparse.Namespace, register) -> int:
     """Build, serve until SIGTERM/SIGINT, stop. `register(instance)` adds the servicer."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    setup_from_args(args)
     try:
         credentials = credentials_from_args(args)
     except ValueError as e:
@@ -157,5 +160,9 @@ def run_instance(role: str, args: argparse.Namespace, register) -> int:
                         args.port, args.instance_id, args.router, args.redis_url, credentials)
     register(instance)
     instance.start()
-    print(f"{role} {instance.instance_id} listening on {instance.address}", flush=True)
+    logger.info("%s instance %s serving %s; gRPC on %s, KV connector %s, router %s%s", role,
+                instance.instance_id, instance.engine.describe(), instance.address,
+                args.connector, args.router or "none",
+                ", prefix index in Redis" if args.redis_url else "")
+    announce(f"{role} {instance.instance_id} listening on {instance.address}")
     return instance.server.serve_until_signal(on_stop=instance.stop)

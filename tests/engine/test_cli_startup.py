@@ -77,6 +77,10 @@ def test_model_load_error_is_one_line_however_long(command, tiny_model_dir, tmp_
     (["--tensor-parallel-size", "2"], "error: tensor_parallel_size"),
     (["--port", "70000"], "error: --port: must be in 0-65535, got 70000"),
     (["--host", "no-such-host.invalid", "--port", "8123"], "error: --host: cannot resolve"),
+    (["--kv-cache-memory-bytes", str(1 << 50)],
+     "error: KV cache: 1048576.00 GiB (--kv-cache-memory-bytes) does not fit in the "),
+    (["--kv-cache-memory-fraction", "2"], "error: kv_cache_memory_fraction "
+                                          "(--kv-cache-memory-fraction) must be in (0, 1]"),
 ])
 def test_bad_serve_flags_are_one_error_line(args, message, tiny_model_dir):
     result, _ = run_cli("serve", "--model", str(tiny_model_dir), "--port", "0",

@@ -72,7 +72,8 @@ def test_up_serves_and_sigterm_leaves_no_process(tiny_model_dir, tmp_path):
                     "--disagg-threshold", "16")
     try:
         lines = read_until(proc, "ready", timeout=120)
-        endpoints = dict(line.split()[:2] for line in lines[:-1])
+        assert lines[0].split() == ["logs", str(tmp_path)]  # first: readable while it starts
+        endpoints = dict(line.split()[:2] for line in lines[1:-1])
         assert list(endpoints)[:4] == ["http", "router", "prefill-0", "decode-0"]
         pids = children(proc.pid)
         assert len(pids) == 4
@@ -115,4 +116,5 @@ def test_startup_failure_names_the_process(tmp_path):
     proc = start_up(tmp_path / "no-such-model", tmp_path)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
+    assert out.splitlines()[0].split() == ["logs", str(tmp_path)]
     assert "exited with code" in out and "model" in out
