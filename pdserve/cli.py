@@ -30,7 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
 # Modules that register a subcommand with `add_cli(subparsers)`. Importing them must not
 # import torch (tests/unit/test_cli_help.py checks): --help stays fast.
 _SUBCOMMANDS = ["pdserve.services.prefill_server", "pdserve.services.decode_server",
-                "pdserve.router.server", "pdserve.cluster", "pdserve.gateway.server"]
+                "pdserve.router.server", "pdserve.cluster_cli", "pdserve.gateway.server"]
 # The ports each server listens on, as (dest, flag): checked before any model is loaded.
 _LISTEN_PORTS = {"serve": [("port", "--port")], "prefill": [("port", "--port")],
                  "decode": [("port", "--port")], "router": [("grpc_port", "--grpc-port")],

@@ -1,6 +1,5 @@
-"""`pdserve up`: a router, N prefill and M decode instances as separate processes on this host.
-
-    pdserve up --num-prefill 1 --num-decode 1 --connector shm
+"""A local cluster: a router, N prefill and M decode instances as separate processes on this
+host (what `pdserve up` runs, cluster_cli.py; tests start one the same way).
 
 Each server is its own OS process in its own process group (so a terminal's Ctrl-C reaches
 only `pdserve up`, which then stops them in order) with the parent-death signal set, so that
@@ -9,11 +8,8 @@ nothing outlives `pdserve up` even when it is killed. Output goes to one log fil
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import logging
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -29,8 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.logging_setup import (FORMATS, LEVELS, add_log_args, announce, report,
-                                   setup_from_args)
+from pdserve.logging_setup import FORMATS, LEVELS
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
@@ -323,81 +318,3 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # start_new_session: the group id is the child's pid
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("up", help="start a router with prefill and decode instances on "
-                                         "this machine")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--num-prefill", type=int, default=1)
-    p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--connector", default="shm", choices=["shm", "tcp", "nixl"])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000,
-                   help="the OpenAI-format HTTP API (0 picks a free one; -1: no HTTP)")
-    p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/*")
-    p.add_argument("--grpc-port", type=int, default=ClusterSpec.grpc_port,
-                   help="the router's port (0 picks a free one)")
-    p.add_argument("--disagg-threshold", type=int, default=ClusterSpec.disagg_threshold)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=None)
-    p.add_argument("--disable-log-stats", action="store_true",
-                   help="instances log no periodic stats (default: every 10 s with traffic)")
-    p.add_argument("--redis-url", default=None)
-    p.add_argument("--startup-timeout-s", type=float, default=ClusterSpec.startup_timeout_s)
-    p.add_argument("--log-dir", default=None)
-    add_log_args(p)
-    p.set_defaults(func=run_up)
-
-
-def run_up(args: argparse.Namespace) -> int:
-    setup_from_args(args)
-    # A fresh secret for this cluster's internal plane, unless the caller set one.
-    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)
-    spec = ClusterSpec(
-        model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
-        connector=args.connector, host=args.host, grpc_port=args.grpc_port,
-        disagg_threshold=args.disagg_threshold, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
-        log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
-        api_key=args.api_key, cluster_secret=secret, log_level=args.log_level,
-        log_format=args.log_format,
-        instance_args=("--disable-log-stats",) if args.disable_log_stats else ())
-    cluster = Cluster(spec)
-    announce(f"logs       {cluster.log_dir}")  # first, so a slow or failed start can be read
-    stop = cluster.interrupted
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        cluster.start()
-    except ClusterError as e:
-        report(f"error: {e}", logging.ERROR)
-        return 1
-    for line in cluster.describe().splitlines():
-        announce(line)
-    announce("ready; Ctrl-C stops everything")
-    code, reported = 0, set()
-    while not stop.wait(0.5):
-        for child in cluster.dead():
-            if child.name not in reported:
-                reported.add(child.name)
-                report(f"warning: {child.name} exited with code {child.proc.returncode}; "
-                       f"last lines:\n{child.tail()}")
-        if "router" in reported:
-            code = 1
-            break
-    cluster.stop()
-    announce("stopped")
-    return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pdserve.cluster ...`: the same as `pdserve up ...`."""
-    from pdserve.cli import main as cli_main
-
-    return cli_main(["up", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -115,3 +115,21 @@ def test_version_falls_back_to_pyproject(monkeypatch, tmp_path):
     pyproject.write_text('[project]\nname = "pdserve"\nversion = "9.8.7"\n')
     assert version_mod.pyproject_version(pyproject) == "9.8.7"
     assert version_mod.pyproject_version(tmp_path / "missing.toml") == version_mod.UNKNOWN
+
+
+def test_up_takes_the_engine_flags_and_passes_them_to_every_instance():
+    from pdserve.cli import build_parser
+    from pdserve.cluster_cli import engine_flags
+
+    args = build_parser().parse_args(
+        ["up", "--num-decode", "2", "--dtype", "float32", "--max-num-seqs", "4",
+         "--no-enable-prefix-caching", "--served-model-name", "a", "b"])
+    flags = engine_flags(args)
+    assert flags == ["--dtype", "float32", "--no-enable-prefix-caching", "--max-num-seqs", "4",
+                     "--served-model-name", "a", "b"]
+    # What an instance's own parser makes of them: the same values.
+    instance = build_parser().parse_args(["decode", *flags])
+    assert (instance.dtype, instance.max_num_seqs, instance.enable_prefix_caching) == \
+        ("float32", 4, False)
+    assert instance.served_model_name == ["a", "b"]
+    assert engine_flags(build_parser().parse_args(["up"])) == []  # defaults stay implicit

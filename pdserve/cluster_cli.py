@@ -1,0 +1,115 @@
+"""`pdserve up`: a router, N prefill and M decode instances as separate processes on this host.
+
+    pdserve up --num-prefill 1 --num-decode 1 --connector shm [ENGINE FLAGS]
+
+It takes every engine flag of `pdserve serve` (`--dtype`, `--max-num-seqs`, ...) and passes
+those that differ from their defaults to each instance. It makes a fresh cluster secret for its
+children and prints its log directory first, then the endpoints; Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+
+from pdserve.cluster import Cluster, ClusterError, ClusterSpec
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.logging_setup import add_log_args, announce, report, setup_from_args
+from pdserve.services.auth import SECRET_ENV
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` that differ from their defaults, as an instance's argv
+    (`--model` goes to each instance on its own)."""
+    flags: list[str] = []
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(args, f.name)
+        if f.name == "model" or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("up", help="start a router with prefill and decode instances on "
+                                         "this machine")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--connector", default="shm", choices=["shm", "tcp", "nixl"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the OpenAI-format HTTP API (0 picks a free one; -1: no HTTP)")
+    p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/*")
+    p.add_argument("--grpc-port", type=int, default=ClusterSpec.grpc_port,
+                   help="the router's port (0 picks a free one)")
+    p.add_argument("--disagg-threshold", type=int, default=ClusterSpec.disagg_threshold)
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--startup-timeout-s", type=float, default=ClusterSpec.startup_timeout_s)
+    p.add_argument("--log-dir", default=None)
+    add_log_args(p)
+    EngineArgs.add_cli_args(p)  # passed on to every instance (the model to the router too)
+    p.set_defaults(func=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    setup_from_args(args)
+    # A fresh secret for this cluster's internal plane, unless the caller set one.
+    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)
+    spec = ClusterSpec(
+        model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
+        connector=args.connector, host=args.host, grpc_port=args.grpc_port,
+        disagg_threshold=args.disagg_threshold, redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
+        log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
+        api_key=args.api_key, cluster_secret=secret, log_level=args.log_level,
+        log_format=args.log_format, instance_args=tuple(engine_flags(args)))
+    cluster = Cluster(spec)
+    announce(f"logs       {cluster.log_dir}")  # first, so a slow or failed start can be read
+    stop = cluster.interrupted
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start()
+    except ClusterError as e:
+        report(f"error: {e}", logging.ERROR)
+        return 1
+    for line in cluster.describe().splitlines():
+        announce(line)
+    announce("ready; Ctrl-C stops everything")
+    code, reported = 0, set()
+    while not stop.wait(0.5):
+        for child in cluster.dead():
+            if child.name not in reported:
+                reported.add(child.name)
+                report(f"warning: {child.name} exited with code {child.proc.returncode}; "
+                       f"last lines:\n{child.tail()}")
+        if "router" in reported:
+            code = 1
+            break
+    cluster.stop()
+    announce("stopped")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdserve.cluster_cli ...`: the same as `pdserve up ...`."""
+    from pdserve.cli import main as cli_main
+
+    return cli_main(["up", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
