@@ -15,6 +15,23 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass
+class RequestMetrics:
+    """When a request reached each stage (wall clock, `time.time()` seconds; None until then)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
 # One dict per generated position: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
 # One entry per prompt position; the first is None (no token precedes it).
@@ -54,7 +71,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: Any | None = None
+    metrics: RequestMetrics | None = None
     lora_request: Any | None = None
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
@@ -67,6 +84,7 @@ class RequestOutput:
         each completion's new text, tokens and logprobs (DELTA outputs); else replace it."""
         self.finished |= next_output.finished
         self.kv_transfer_params = next_output.kv_transfer_params
+        self.metrics = next_output.metrics
         for new in next_output.outputs:
             old_pos = next((i for i, c in enumerate(self.outputs) if c.index == new.index), None)
             if old_pos is None:

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.metrics_reader import Metric
 from pdserve.engine.vllm_args import load_chat_template
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.outputs import RequestOutput
@@ -25,6 +26,8 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any):
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._enqueued: list[str] = []  # enqueue()d ids, for wait_for_completion
+        self._completed: dict[str, RequestOutput] = {}  # their outputs, once finished
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
@@ -40,6 +43,71 @@ class LLM:
         `priority` (with scheduling_policy="priority"; lower runs first): an int for every
         prompt, or a list with one per prompt.
         """
+        return self._run(self._add_prompts(prompts, sampling_params, priority), use_tqdm)
+
+    def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
+                | None = None, priority: int | Sequence[int] | None = None,
+                use_tqdm: bool = True) -> list[str]:
+        """Queue prompts without running them; returns their request ids (see
+        wait_for_completion)."""
+        ids = self._add_prompts(prompts, sampling_params, priority)
+        self._enqueued.extend(ids)
+        return ids
+
+    def wait_for_completion(self, output_type: Any = None, *,
+                            use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every queued request to the end; returns the enqueued ones' outputs in the
+        order they were enqueued."""
+        ids = self._enqueued
+        outputs = self._run(ids, use_tqdm)
+        self._enqueued, self._completed = [], {}
+        return outputs
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Forget the prefix cache; False when blocks are still in use."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics (vLLM's Counter and Gauge objects)."""
+        return self.llm_engine.get_metrics()
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: abort requests and free the KV cache; level 2: free the weights too."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate what sleep freed (weights reload from the checkpoint)."""
+        self.llm_engine.wake_up(tags)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams]
+             | None = None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """Apply the chat template (`chat_template`: a Jinja template or a file holding one;
+        default: the engine's `chat_template` argument, else the model's) to one conversation
+        or a list, then generate. `content` may be a string or OpenAI text parts."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(
+            c, chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, priority)
+
+    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the (model's) chat template."""
+        conversation = [_text_message(i, m) for i, m in enumerate(conversation)]
+        tokenizer = self.get_tokenizer()
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=load_chat_template(chat_template), tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _add_prompts(self, prompts, sampling_params, priority) -> list[str]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -52,36 +120,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for "
                                  f"{len(prompts)} prompts")
-        ids = self._add_all(prompts, params, _priorities(priority, len(prompts)))
-        return self._run(ids, use_tqdm)
-
-    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams]
-             | None = None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply the chat template (`chat_template`: a Jinja template or a file holding one;
-        default: the engine's `chat_template` argument, else the model's) to one conversation
-        or a list, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(
-            c, chat_template, add_generation_prompt, continue_final_message,
-            chat_template_kwargs)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True,
-                            continue_final_message: bool = False,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Token ids of a conversation rendered with the (model's) chat template."""
-        for i, m in enumerate(conversation):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
-        tokenizer = self.get_tokenizer()
-        text = tokenizer.apply_chat_template(
-            conversation, chat_template=load_chat_template(chat_template), tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-        return tokenizer.encode(text, add_special_tokens=False)
+        return self._add_all(prompts, params, _priorities(priority, len(prompts)))
 
     def _add_all(self, prompts: list, params: list[SamplingParams],
                  priority: list[int] | None) -> list[str]:
@@ -104,20 +143,21 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        done: dict[str, RequestOutput] = {}
+        done = self._completed  # also keeps enqueued requests that finish during generate()
+        wanted, keep = set(ids), set(ids) | set(self._enqueued)
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in keep:
                         done[out.request_id] = out
-                        bar.update(1)
+                        bar.update(out.request_id in wanted)
         except BaseException:
             engine.abort_request(ids)
             raise
         finally:
             bar.close()
-        return [done[i] for i in ids]
+        return [done.pop(i) for i in ids if i in done]
 
 
 def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int] | None:
@@ -131,3 +171,26 @@ def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int] |
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"priority: must be an int or a list of ints, got {value!r}")
     return values
+
+
+def _text_message(i: int, message: Any) -> dict:
+    """A chat message with its `content` as one string (OpenAI text parts joined by "\\n")."""
+    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
+    content = message["content"]
+    if content is None or isinstance(content, str):
+        return message
+    if not isinstance(content, list):
+        raise ValueError(f"messages[{i}].content: must be a string or a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" \
+                and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, "
+                             f"got {kind!r}")
+    return {**message, "content": "\n".join(texts)}

@@ -5,6 +5,7 @@ A step reads like a sentence: schedule, execute, update; then outputs are made.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -18,6 +19,7 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.input_processor import InputProcessor
 from pdserve.engine.kv_budget import gib, num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.metrics_reader import Metric, engine_metrics
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import RequestStatus
@@ -85,7 +87,8 @@ class LLMEngine:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+        cache = self.runner.kv_cache
+        return 0 if cache is None else cache.numel() * cache.element_size()
 
     def kv_cache_summary(self) -> str:
         """E.g. '5825 blocks of 16 tokens = 93200 tokens, 4.00 GiB'."""
@@ -107,8 +110,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
-                    kv_transfer_params: dict | None = None) -> None:
-        """Queue a prompt (str, TextPrompt or TokensPrompt). Raises ValueError on bad input."""
+                    kv_transfer_params: dict | None = None) -> str:
+        """Queue a prompt (str, TextPrompt or TokensPrompt); returns `request_id` (as vLLM).
+        Raises ValueError on bad input."""
+        self._check_awake()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -122,6 +127,7 @@ class LLMEngine:
         self.output_processor.add(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
+        return request_id
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now and free their blocks; unknown ids are ignored."""
@@ -133,6 +139,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, execute the model, update requests, make outputs."""
+        self._check_awake()
         sched = self.scheduler.schedule()
         self.num_prompt_tokens += sum(
             max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
@@ -161,3 +168,50 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    # --- vLLM's maintenance API -----------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while blocks are in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        return engine_metrics(self)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.model is None or self.runner.kv_cache is None
+
+    def sleep(self, level: int = 1) -> None:
+        """Abort every request and free the KV cache (level 1); level 2 frees the weights too
+        (wake_up reloads them from the checkpoint)."""
+        if level not in (1, 2):
+            raise ValueError(f"level: must be 1 or 2, got {level!r}")
+        if type(self.connector) is not KVConnector:
+            raise RuntimeError("sleep: not supported with a KV transfer connector")
+        self.abort_request(list(self.output_processor.parents))
+        if not self.block_pool.reset_prefix_cache():
+            raise RuntimeError("sleep: KV blocks are still held (kv_lease_s leases)")
+        self.runner.kv_cache = None
+        if level == 2:
+            self.model = self.runner.model = None
+        gc.collect()
+        if torch.cuda.is_available() and self.config.device.device != "cpu":
+            torch.cuda.empty_cache()
+        logger.info("engine asleep (level %d)", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate what sleep freed: `tags` among "weights", "kv_cache" (default: both)."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        for tag in tags:
+            if tag not in ("weights", "kv_cache", "scheduling"):
+                raise ValueError(f"tags: unknown tag {tag!r}")
+        if "weights" in tags and self.model is None:
+            self.model = self.runner.model = load_model(self.config)
+        if "kv_cache" in tags and self.runner.kv_cache is None:
+            self.runner.kv_cache = allocate_kv_cache(self.config, self.num_blocks,
+                                                     self.connector)
+
+    def _check_awake(self) -> None:
+        if self.is_sleeping:
+            raise RuntimeError("the engine is asleep (LLM.sleep); call wake_up() first")

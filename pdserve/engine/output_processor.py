@@ -3,12 +3,14 @@ logprobs, and merges the n child sequences of a request into one output."""
 
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import ModelRunnerOutput
-from pdserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pdserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -33,6 +35,7 @@ class ParentState:
     params: SamplingParams
     sequences: list[SequenceState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
     @property
     def finished(self) -> bool:
@@ -75,12 +78,19 @@ class OutputProcessor:
         """Detokenize new tokens; returns the requests a stop string just ended (the caller
         finishes them in the scheduler)."""
         stopped: list[Request] = []
+        now = time.time()
         for request in touched:
             parent, seq = self.child_to_parent[request.request_id]
+            metrics = parent.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
             self._add_prompt_logprobs(parent, result.prompt_logprobs.get(request.request_id))
             sample = result.sampled.get(request.request_id)
             if sample is None:
                 continue
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             # A stop token or EOS that ended the request adds no text (as in vLLM).
             stop = seq.detokenizer.update(
                 [sample.token_id], request.num_output_tokens,
@@ -89,7 +99,8 @@ class OutputProcessor:
                 request.stop_reason = stop
                 stopped.append(request)
             if seq.logprobs is not None and sample.logprobs is not None:
-                seq.logprobs.append(self._logprob_dict(sample.logprobs))
+                seq.logprobs.append(self._logprob_dict(sample.logprobs,
+                                                       request.sampling_params))
                 seq.cumulative_logprob += sample.logprobs[sample.token_id][0]
         return stopped
 
@@ -116,11 +127,15 @@ class OutputProcessor:
         if chunk is None or parent.prompt_logprobs is None:
             return
         room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
-        parent.prompt_logprobs.extend(self._logprob_dict(d) for d in chunk[:room])
+        parent.prompt_logprobs.extend(self._logprob_dict(d, parent.params)
+                                      for d in chunk[:room])
 
-    def _logprob_dict(self, raw: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank)
-                in raw.items()}
+    def _logprob_dict(self, raw: dict[int, tuple[float, int]],
+                      params: SamplingParams) -> dict[int, Logprob]:
+        """Logprobs of one position; `decoded_token` stays None with detokenize=False."""
+        decode = self.tokenizer is not None and params.detokenize
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid]) if decode else None)
+                for tid, (lp, rank) in raw.items()}
 
     def _make_output(self, parent: ParentState) -> RequestOutput | None:
         kind = parent.params.output_kind
@@ -145,10 +160,12 @@ class OutputProcessor:
                 stop_reason=request.stop_reason if done else None))
             seq.sent_tokens = request.num_output_tokens
         first = parent.sequences[0].request
+        if finished and parent.metrics.finished_time is None:
+            parent.metrics.finished_time = time.time()
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
-            outputs=completions, finished=finished,
+            outputs=completions, finished=finished, metrics=copy.copy(parent.metrics),
             num_cached_tokens=max(first.num_cached_tokens, 0),
             kv_transfer_params=first.kv_transfer_params if finished else None,
             error=first.error)
