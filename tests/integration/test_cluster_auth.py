@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
+from pdserve.kv_transfer import nixl_available
 from pdserve.proto.pdserve.v1 import (
     common_pb2,
     engine_pb2,
@@ -26,7 +27,8 @@ GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 DENIED = grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+@pytest.fixture(scope="module", params=["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl is not installed"))])
 def cluster(request, tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"auth-{request.param}")
     key_file = logs / "api_keys"
