@@ -1,0 +1,56 @@
+{{/* Object name prefix: the release name, or <release>-<chart>. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.secretName" -}}
+{{- printf "%s-secrets" (include "pdserve.fullname" .) -}}
+{{- end -}}
+
+{{- define "pdserve.configName" -}}
+{{- printf "%s-config" (include "pdserve.fullname" .) -}}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "decode"). */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ default .ctx.Chart.Name .ctx.Values.nameOverride }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+{{ include "pdserve.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* env: the cluster secret, from the chart's Secret. */}}
+{{- define "pdserve.clusterSecretEnv" -}}
+- name: PDSERVE_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.secretName" . }}
+      key: cluster-secret
+{{- end -}}
+
+{{/* env: one key of the chart's ConfigMap: (dict "ctx" $ "key" "PDSERVE_MODEL"). */}}
+{{- define "pdserve.configEnv" -}}
+- name: {{ .key }}
+  valueFrom:
+    configMapKeyRef:
+      name: {{ include "pdserve.configName" .ctx }}
+      key: {{ .key }}
+{{- end -}}
