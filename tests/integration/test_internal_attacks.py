@@ -104,3 +104,23 @@ def test_forged_shm_segment_never_touches_another_file(pd, want, tmp_path):
     assert decode(d, rid, handle, first.first_token_id) == want
     assert victim.read_text() == "keep me"
     still_serves(p, d, decode_proc, want, rid + "-after")
+
+
+def test_forged_lease_token_reads_nothing_and_the_request_is_recomputed(pd, want):
+    """A handle whose lease token was tampered with: a tcp producer serves no block for it;
+    the decode side recomputes the prompt, so the answer is still right."""
+    p, d, decode_proc, connector = pd
+    if connector != "tcp":
+        pytest.skip("the tcp producer checks lease tokens per read")
+    rid = "forge-lease-token"
+    first = prefill(p, rid)
+    handle = common_pb2.KVHandle()
+    handle.CopyFrom(first.handle)
+    handle.lease_token = "x" * len(handle.lease_token)
+    stub = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode_proc.address))
+    before = stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
+    assert decode(d, rid, handle, first.first_token_id) == want
+    after = stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
+    assert after.kv_loads_failed == before.kv_loads_failed + 1  # refused by the producer
+    assert after.kv_bytes_received == before.kv_bytes_received
+    still_serves(p, d, decode_proc, want, rid + "-after")

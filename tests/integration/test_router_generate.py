@@ -138,6 +138,9 @@ def test_n2_prefills_on_decode(clusters, llm):
 @pytest.mark.parametrize("prompt, sampling, field", [
     (list(range(50)), {"temperature": -1.0}, "temperature"),
     (list(range(50)), {"top_p": 1.5}, "top_p"),
+    (list(range(50)), {"temperature": float("nan")}, "temperature"),
+    (list(range(50)), {"presence_penalty": float("inf")}, "presence_penalty"),
+    (list(range(50)), {"logit_bias": {5: float("nan")}}, "logit_bias"),
     (list(range(50)), {"max_tokens": 0}, "max_tokens"),
     (list(range(50)), {"n": 2, "temperature": 0}, "n"),
     ("", {}, "prompt"),
