@@ -1,5 +1,6 @@
 """One INFO line per served request when it ends (logger `pdserve.request`): its id, finish
-status, prompt and output token counts, time to first token and end-to-end seconds.
+status, prompt and output token counts, time to first token and end-to-end seconds (from the
+engine's own record of the request's times, `RequestOutput.metrics`).
 
 `EngineLoop` feeds it on its own thread (no lock): `started` when a request is queued,
 `output` for each output it hands out, `ended` when it is aborted or the engine fails. With
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import RequestMetrics, RequestOutput
 from pdserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("pdserve.request")
@@ -27,7 +28,7 @@ class _Progress:
     cached_tokens: int = 0
     output_tokens: dict[int, int] = field(default_factory=dict)  # per completion index
     reasons: dict[int, str] = field(default_factory=dict)
-    first_token: float | None = None
+    metrics: RequestMetrics | None = None  # the engine's times, as of its latest output
 
 
 class RequestLog:
@@ -39,7 +40,8 @@ class RequestLog:
 
     def started(self, request_id: str, output_kind: RequestOutputKind, prompt_tokens: int,
                 start: float | None = None) -> None:
-        """`start`: when the caller submitted it (default: now)."""
+        """`start`: when the caller submitted it (default: now; the end-to-end time of a
+        request that ends before the engine reports its times)."""
         self._open[request_id] = _Progress(self.clock() if start is None else start,
                                            output_kind == RequestOutputKind.DELTA,
                                            prompt_tokens)
@@ -51,13 +53,12 @@ class RequestLog:
             return
         p.prompt_tokens = len(out.prompt_token_ids or ())
         p.cached_tokens = out.num_cached_tokens or 0
+        p.metrics = out.metrics or p.metrics
         for c in out.outputs:
             n = len(c.token_ids)
             p.output_tokens[c.index] = p.output_tokens.get(c.index, 0) + n if p.delta else n
             if c.finish_reason:
                 p.reasons[c.index] = c.finish_reason
-        if p.first_token is None and any(p.output_tokens.values()):
-            p.first_token = self.clock()
         if out.finished:
             status = "error" if out.error else ",".join(dict.fromkeys(p.reasons.values()))
             self._log(out.request_id, status or "stop", out.error)
@@ -69,9 +70,11 @@ class RequestLog:
 
     def _log(self, request_id: str, status: str, error: str | None) -> None:
         p = self._open.pop(request_id)
-        now = self.clock()
-        e2e = now - p.start
-        ttft = None if p.first_token is None else p.first_token - p.start
+        m = p.metrics
+        ttft = (None if m is None or m.first_token_time is None
+                else m.first_token_time - m.arrival_time)
+        e2e = (self.clock() - p.start if m is None or m.finished_time is None
+               else m.finished_time - m.arrival_time)
         output_tokens = sum(p.output_tokens.values())
         fields = {"request_id": request_id, "finish_reason": status,
                   "prompt_tokens": p.prompt_tokens, "output_tokens": output_tokens,

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.engine.request_log import RequestLog
 from pdserve.engine.stats_logger import Counters, StatsLogger, interval_from_env
-from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.sampling_params import RequestOutputKind
 
 
@@ -21,10 +21,11 @@ class Clock:
         return self.now
 
 
-def output(rid, tokens, finished=False, reason=None, index=0, prompt=(1, 2, 3), error=None):
+def output(rid, tokens, finished=False, reason=None, index=0, prompt=(1, 2, 3), error=None,
+           metrics=None):
     return RequestOutput(rid, None, list(prompt), None,
                          [CompletionOutput(index, "x", list(tokens), None, None, reason)],
-                         finished, num_cached_tokens=1, error=error)
+                         finished, num_cached_tokens=1, error=error, metrics=metrics)
 
 
 def fields(caplog, logger):
@@ -36,12 +37,15 @@ def test_request_end_has_tokens_ttft_and_e2e(caplog):
     clock = Clock()
     log = RequestLog(clock)
     log.started("r1", RequestOutputKind.DELTA, prompt_tokens=3)
+    times = RequestMetrics(arrival_time=1000.0)  # the engine's wall-clock record
     clock.now += 0.5
-    log.output(output("r1", []))  # a step that sampled nothing for it yet
+    log.output(output("r1", [], metrics=times))  # a step that sampled nothing for it yet
     clock.now += 0.25
-    log.output(output("r1", [7]))
+    times = RequestMetrics(1000.0, first_token_time=1000.75)
+    log.output(output("r1", [7], metrics=times))
     clock.now += 1.0
-    log.output(output("r1", [8, 9], finished=True, reason="length"))
+    times = RequestMetrics(1000.0, first_token_time=1000.75, finished_time=1001.75)
+    log.output(output("r1", [8, 9], finished=True, reason="length", metrics=times))
     [f] = fields(caplog, "pdserve.request")
     assert f == {"request_id": "r1", "finish_reason": "length", "prompt_tokens": 3,
                  "output_tokens": 3, "cached_tokens": 1, "ttft_s": 0.75, "e2e_s": 1.75}
