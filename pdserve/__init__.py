@@ -7,6 +7,13 @@ The public names load lazily, so light processes (the router) that import a subm
 from __future__ import annotations
 
 import importlib
+import os
+
+# pdserve processes start children with fork + exec (pdserve up, Cluster) and never use gRPC
+# in a forked child. gRPC's fork support restarts its poller in the child, which can abort
+# there before exec ("epoll_wait error: Bad file descriptor", grpc/grpc#43055). Read when
+# gRPC initialises, so this must come before the first `import grpc`; a user's setting wins.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 _EXPORTS = {
     "LLM": "pdserve.engine.llm",

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+# Before any test module imports grpc: the tests start servers with fork + exec (see
+# pdserve/__init__.py for why gRPC's fork support is off).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
