@@ -27,6 +27,7 @@ from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2
 from pdserve.router.channels import ChannelPool
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.relay import Continuation, Relay
+from pdserve.router.request_log import RouterRequestLog
 from pdserve.router.routing import NoDecodeInstance, Plan, Planner, RouterConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.convert import params_from_proto
@@ -116,16 +117,32 @@ class GenerateFlow:
         self._over = False  # the RPC has ended
         self._inflight: Any = None  # the outgoing call to cancel when it does
         self._lease: tuple[str, str] | None = None  # (P address, id) the router must release
+        self._error: str | None = None  # the status the router ended the call with
+        self.log = RouterRequestLog(self.rid) if self.config.log_requests else None
         context.add_callback(self._on_rpc_done)
 
     # ------------------------------------------------------------------ the flow
     def run(self) -> Iterator[common_pb2.GenerateResponse]:
+        status, error = None, None
         try:
-            yield from self._generate()
+            for msg in self._generate():
+                if self.log is not None:
+                    self.log.sent(msg)
+                yield msg
         except _ClientGone:
+            status = "abort"
             logger.info("request %s: client went away", self.rid)
+        except GeneratorExit:  # gRPC closed the stream (the client went away)
+            status = "abort"
+            raise
+        except BaseException as e:  # context.abort's exception, or a bug: logged, re-raised
+            status = "error"
+            error = self._error or f"{type(e).__name__}: {e}"
+            raise
         finally:
             self._on_rpc_done()  # also when the generator is closed without the callback
+            if self.log is not None:
+                self.log.ended(self.served, status, error)
 
     def _generate(self) -> Iterator[common_pb2.GenerateResponse]:
         prompt_ids, params = self._validate()
@@ -157,6 +174,8 @@ class GenerateFlow:
         bad = next((t for t in ids if t < 0), None)
         if bad is not None:
             self._abort(Code.INVALID_ARGUMENT, f"prompt.token_ids: token id {bad} is negative")
+        if self.log is not None:
+            self.log.prompt_tokens = len(ids)
         self._check_caps(len(ids), params)
         return ids, params
 
@@ -364,6 +383,7 @@ class GenerateFlow:
 
     def _abort(self, code: grpc.StatusCode, message: str):
         logger.info("request %s: %s %s", self.rid, code.name, message)
+        self._error = f"{code.name}: {message}"
         self.context.abort(code, message)
 
 

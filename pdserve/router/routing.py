@@ -46,6 +46,8 @@ class RouterConfig:
     # length (0: the model's max_position_embeddings) and logprobs per position (-1: no cap).
     max_model_len: int = 0
     max_logprobs: int = 20
+    # One INFO line per request's end (router/request_log.py), as the instances log theirs.
+    log_requests: bool = True
     picker: PickerConfig = field(
         default_factory=lambda: PickerConfig(prefix_weight=2.0, queue_weight=1.0,
                                              kv_usage_weight=1.0))
