@@ -21,6 +21,7 @@ _EXPORTS = {
     "EngineArgs": "pdserve.engine.engine_args",
     "SamplingParams": "pdserve.sampling_params",
     "RequestOutputKind": "pdserve.sampling_params",
+    "StructuredOutputsParams": "pdserve.structured_outputs",
     "RequestOutput": "pdserve.outputs",
     "CompletionOutput": "pdserve.outputs",
     "Logprob": "pdserve.outputs",

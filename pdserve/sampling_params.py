@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5
@@ -101,6 +103,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -144,6 +147,8 @@ class SamplingParams:
             if kind not in (0, 1, 2):
                 raise ValueError(f"output_kind must be 0, 1 or 2, got {kind!r}")
             self.output_kind = RequestOutputKind(kind)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     @staticmethod
     def _normalize_logit_bias(bias: Any) -> dict[int, float]:

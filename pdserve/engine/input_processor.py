@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pdserve.config import ModelConfig
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import skip_seeded_draws
+from pdserve.engine.structured_output import StructuredOutputManager
 from pdserve.kv_transfer.connector import KVHandle
 from pdserve.sampling_params import SamplingParams
 
@@ -23,6 +24,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = model_config.arch.vocab_size
         self.eos_token_id = tokenizer.eos_token_id
+        # Compiles structured_outputs constraints; the grammar's end is any stop token.
+        self.grammars = StructuredOutputManager(
+            tokenizer, self.vocab_size,
+            [*model_config.arch.eos_token_ids, *filter(None, [self.eos_token_id])])
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A str, TextPrompt or TokensPrompt -> (prompt text or None, token ids)."""
@@ -86,6 +91,8 @@ class InputProcessor:
                 eos_token_id=self.eos_token_id, priority=priority, arrival_time=arrival,
                 bad_words_token_ids=bad_words, kv_transfer_params=kv_transfer_params,
                 remote_kv=remote_kv, output_token_ids=list(prefilled))
+            if params.structured_outputs is not None:
+                child.grammar = self.grammars.grammar_for(params.structured_outputs.spec)
             if child.generator is not None and not child_params.is_greedy:
                 skip_seeded_draws(child.generator, self.vocab_size, len(prefilled))
             children.append(child)

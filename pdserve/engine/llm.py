@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,11 +85,16 @@ class LLM:
              | None = None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: int | Sequence[int] | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the chat template (`chat_template`: a Jinja template or a file holding one;
         default: the engine's `chat_template` argument, else the model's) to one conversation
-        or a list, then generate. `content` may be a string or OpenAI text parts."""
+        or a list, then generate. `content` may be a string or OpenAI text parts; `tools`
+        (OpenAI function tools) are passed to the template, as are assistant `tool_calls`
+        (their JSON `arguments` as objects) and `tool` messages."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = [{"prompt_token_ids": self.apply_chat_template(
             c, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs)} for c in conversations]
@@ -174,10 +180,14 @@ def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int] |
 
 
 def _text_message(i: int, message: Any) -> dict:
-    """A chat message with its `content` as one string (OpenAI text parts joined by "\\n")."""
-    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+    """A chat message with its `content` as one string (OpenAI text parts joined by "\\n")
+    and its tool calls' JSON `arguments` parsed into objects, as chat templates expect."""
+    if not isinstance(message, dict) or "role" not in message or (
+            "content" not in message and "tool_calls" not in message):
         raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
-    content = message["content"]
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": [_template_call(i, c) for c in message["tool_calls"]]}
+    content = message.get("content")
     if content is None or isinstance(content, str):
         return message
     if not isinstance(content, list):
@@ -194,3 +204,17 @@ def _text_message(i: int, message: Any) -> dict:
             raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, "
                              f"got {kind!r}")
     return {**message, "content": "\n".join(texts)}
+
+
+def _template_call(i: int, call: Any) -> dict:
+    """An OpenAI tool call with its `arguments` (JSON text) as an object when it parses."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"messages[{i}].tool_calls: each needs function.name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -141,6 +141,9 @@ class LLMEngine:
         """Run one iteration: schedule, execute the model, update requests, make outputs."""
         self._check_awake()
         sched = self.scheduler.schedule()
+        if not sched.chunks and not sched.failed and self.scheduler.compiling:
+            # Only requests whose grammar compiles: wait for one instead of spinning.
+            self.input_processor.grammars.wait_for_any(self.scheduler.compiling, 0.05)
         self.num_prompt_tokens += sum(
             max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
             for c in sched.chunks)

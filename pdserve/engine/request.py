@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from pdserve.engine.structured_output import GrammarState
     from pdserve.kv_transfer.connector import KVHandle
     from pdserve.sampling_params import SamplingParams
 
@@ -76,6 +77,8 @@ class Request:
     # Chained hashes of this request's full blocks (prompt and output), see block_hash.py.
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Structured outputs: where this sequence is in its grammar (None: unconstrained).
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         seed = self.sampling_params.seed
@@ -104,3 +107,5 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)

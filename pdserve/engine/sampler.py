@@ -1,7 +1,7 @@
 """Batched token sampling from logits, with vLLM's logits processing and logprobs semantics.
 
 Order of processing (as in vLLM v1): allowed_token_ids mask, bad words, min_tokens, logit_bias,
-repetition / frequency / presence penalties; then greedy rows take the argmax, random rows go
+repetition / frequency / presence penalties, the structured-output grammar's mask; then greedy rows take the argmax, random rows go
 through temperature, min_p, top_k, top_p and an exponential race (per-row generator if seeded).
 Logprobs are always those of the raw logits.
 """
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from pdserve.engine.structured_output import apply_grammar_masks
 
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
@@ -66,10 +68,12 @@ class Sampler:
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor:
         """A float32 copy (B, V) of logits with allowed_token_ids, bad words, min_tokens,
-        logit_bias and the penalties applied: what greedy rows take the argmax of."""
+        logit_bias, the penalties and the structured-output grammars applied: what greedy rows
+        take the argmax of."""
         out = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # (B, V)
         _apply_masks_and_bias(out, rows)
         _apply_penalties(out, rows)
+        apply_grammar_masks(out, rows)
         return out
 
 
@@ -90,7 +94,8 @@ def prompt_logprobs(
 def _needs_processing(row: Request) -> bool:
     p = row.sampling_params
     return bool(
-        p.logit_bias
+        row.grammar is not None
+        or p.logit_bias
         or p.allowed_token_ids is not None
         or row.bad_words_token_ids
         or (p.min_tokens and len(row.output_token_ids) < p.min_tokens)

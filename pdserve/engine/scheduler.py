@@ -158,6 +158,8 @@ class Scheduler:
                 return
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
+            if request.grammar is not None and not self._grammar_ready(request, out):
+                continue
             if self.kv.has_blocks(request.request_id):  # remote KV arrived, or a local fallback
                 computed, num_cached = [], request.num_computed_tokens
             else:
@@ -181,6 +183,22 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             out.chunks.append(self._chunk(request, n))
             budget -= n
+
+    def _grammar_ready(self, request: Request, out: SchedulerOutput) -> bool:
+        """A constrained request runs once its grammar is compiled (never waiting on a step)
+        and its matcher has accepted the tokens it already has; else it fails."""
+        if not request.grammar.ready:
+            return False
+        if request.grammar.activate(request.output_token_ids):
+            return True
+        request.error = request.grammar.error
+        out.failed += self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+        return False
+
+    @property
+    def compiling(self) -> list:
+        """Grammars of waiting requests still compiling."""
+        return [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.ready]
 
     def _waiting_in_order(self) -> list[Request]:
         if self.config.policy == "priority":
@@ -281,6 +299,10 @@ class Scheduler:
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
         token = request.output_token_ids[-1]
+        if request.grammar is not None and request.grammar.error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = request.grammar.error
+            return
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and (token == request.eos_token_id or token in self.eos_ids):
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -289,6 +311,9 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return
+        if request.grammar is not None and request.grammar.is_terminated:
+            request.status = RequestStatus.FINISHED_STOPPED  # the constrained output is complete
+            return
         max_tokens = params.max_tokens or self.max_model_len
         if request.num_output_tokens >= max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -162,13 +162,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | None = None,
               *, tokenizer=None, max_logprobs: int | None = None,
+              tool_parser: str | None = None,
               max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               metrics: GatewayMetrics | None = None, close_backend: bool = True) -> FastAPI:
     """The OpenAI-format app over `backend`, serving it as `model_name` (vLLM's
     served_model_name: a name, or names of which the first is reported). The tokenizer (for
     chat templates and prompt lengths) is the backend's when not given; `max_logprobs` bounds
-    what a request may ask for (default: the backend's). The backend is closed when the app
+    what a request may ask for (default: the backend's); `tool_parser` (a name in
+    tool_parsers.TOOL_PARSERS) enables tool_choice "auto". The backend is closed when the app
     shuts down unless `close_backend` is False."""
     info = backend.models()[0]
     names = [model_name] if isinstance(model_name, str) else list(model_name)
@@ -179,7 +181,8 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
         tokenizer = backend.load_tokenizer()
     metrics = metrics or GatewayMetrics(model_name)
     ctx = ServingContext(backend, tokenizer, model_name, info.max_model_len, metrics,
-                         info.max_logprobs if max_logprobs is None else max_logprobs)
+                         info.max_logprobs if max_logprobs is None else max_logprobs,
+                         tool_parser)
     admission = Admission(max_concurrency)
     served_names = {*names, info.id, info.root}
     created = int(time.time())

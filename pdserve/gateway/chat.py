@@ -9,8 +9,9 @@ import uuid
 from collections.abc import AsyncIterator
 
 from pdserve.gateway.backend import BackendError
+from pdserve.gateway.chat_tools import ToolCallOutput
 from pdserve.gateway.generation import Generation
-from pdserve.gateway.protocol import ChatCompletionRequest
+from pdserve.gateway.protocol import ChatCompletionRequest, bad_request
 from pdserve.gateway.serving import (
     Choice,
     ServingContext,
@@ -22,6 +23,11 @@ from pdserve.gateway.serving import (
 logger = logging.getLogger(__name__)
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A complete output that made tool calls ends with "tool_calls", as OpenAI's."""
+    return "tool_calls" if reason == "stop" and called else reason
+
+
 class ChatRun:
     """One request: checked and tokenized on construction; `start`, then `respond` or
     `stream` (the caller closes the Generation)."""
@@ -30,9 +36,16 @@ class ChatRun:
         self.ctx, self.req = ctx, req
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.tool_choice = req.effective_tool_choice
+        if self.tool_choice == "auto" and ctx.tool_parser is None:
+            raise bad_request('tool_choice: "auto" needs the server started with '
+                              '--enable-auto-tool-choice and --tool-call-parser', "tool_choice")
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            template_kwargs["tools"] = req.tools
         self.prompt_ids = ctx.encode_chat([m.for_template() for m in req.messages],
                                           req.add_generation_prompt, req.continue_final_message,
-                                          req.chat_template_kwargs)
+                                          template_kwargs)
         max_tokens = ctx.max_tokens(len(self.prompt_ids), req.requested_max_tokens, "messages")
         self.params = req.sampling_params(max_tokens, ctx.max_logprobs)
         self.k = req.top_logprobs or 0
@@ -40,6 +53,12 @@ class ChatRun:
     async def start(self) -> Generation:
         return await Generation.start(self.ctx.backend, self.id, [(self.prompt_ids, self.params)],
                                       self.ctx.metrics)
+
+    def _tools(self) -> ToolCallOutput | None:
+        """A choice's tool-call reader; None when the request uses no tools."""
+        if self.tool_choice == "none":
+            return None
+        return ToolCallOutput(self.tool_choice, self.ctx.tool_parser)
 
     def _logprobs(self, positions, token_ids) -> dict | None:
         if not self.req.logprobs or positions is None:
@@ -53,9 +72,14 @@ class ChatRun:
         out = []
         for idx in range(self.req.n):
             c = choices.get(idx, Choice())
-            choice = {"index": idx, "message": {"role": "assistant", "content": c.text},
+            tools = self._tools()
+            message = tools.message(c.text) if tools else {"role": "assistant",
+                                                           "content": c.text}
+            called = bool(message.get("tool_calls"))
+            choice = {"index": idx, "message": message,
                       "logprobs": self._logprobs(c.logprobs, c.token_ids),
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                      "finish_reason": _finish_reason(c.finish_reason, called),
+                      "stop_reason": c.stop_reason}
             if self.req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             out.append(choice)
@@ -82,13 +106,24 @@ class ChatRun:
                 if ids and idx == 0:
                     chunk["prompt_token_ids"] = self.prompt_ids
                 yield sse(chunk)
+            tools = {idx: self._tools() for idx in range(self.req.n)}
             async for idx, d in gen:
                 logprobs = self._logprobs(d.logprobs, d.token_ids)
-                if not (d.text or d.finish_reason or (logprobs and logprobs["content"])
+                reader = tools.get(idx)
+                if reader is None:
+                    deltas = [{"content": d.text}] if d.text else []
+                else:
+                    deltas = reader.feed(d.text) + (reader.finish() if d.finish_reason else [])
+                if not (deltas or d.finish_reason or (logprobs and logprobs["content"])
                         or (ids and d.token_ids)):
                     continue
-                choice = {"index": idx, "delta": {"content": d.text} if d.text else {},
-                          "logprobs": logprobs, "finish_reason": d.finish_reason,
+                for delta in deltas[:-1]:  # all but the last: no logprobs or finish yet
+                    yield sse(self._chunk([{"index": idx, "delta": delta, "logprobs": None,
+                                            "finish_reason": None}]))
+                choice = {"index": idx, "delta": deltas[-1] if deltas else {},
+                          "logprobs": logprobs,
+                          "finish_reason": _finish_reason(d.finish_reason,
+                                                          reader is not None and reader.called),
                           "stop_reason": d.stop_reason}
                 if ids:
                     choice["token_ids"] = list(d.token_ids)

@@ -6,6 +6,7 @@ Unknown fields are ignored (and logged once per name by the app), as in vLLM.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -47,6 +48,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format, and vLLM's structural_tag form of it."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict] | None = None
+    triggers: list[str] | None = None
+    format: dict | None = None
+
+
 class _SamplingRequest(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -76,6 +95,13 @@ class _SamplingRequest(_Body):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # vLLM: generated (and prompt) token ids in the answer
+    # Structured outputs (constraints.py): one of these at most.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -84,7 +110,11 @@ class _SamplingRequest(_Body):
         return self
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
-                  prompt_logprobs: int | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None,
+                  tool_schema: dict | None = None) -> SamplingParams:
+        from pdserve.gateway.constraints import requested_constraint
+
+        structured = requested_constraint(self, tool_schema)
         optional = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                                       ("top_k", self.top_k), ("min_p", self.min_p),
                                       ("repetition_penalty", self.repetition_penalty))
@@ -100,7 +130,8 @@ class _SamplingRequest(_Body):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs, **optional)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured, **optional)
         except ValueError as e:
             raise bad_request(str(e), param_of(str(e))) from e
 
@@ -150,6 +181,25 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallMessage(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -160,14 +210,22 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: tool-call arguments as objects (their
+        JSON text parsed), as transformers' tool-use templates expect."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        msg = {"role": self.role, "content": content or ""}
+        msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -177,6 +235,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -185,12 +245,38 @@ class ChatCompletionRequest(_SamplingRequest):
                         max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         """The request's SamplingParams; APIError 400 naming the field when one is bad."""
         _check_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
-        if self.tools:
-            raise bad_request("tools: tool calling is not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs)
+        return self._sampling(max_tokens, logprobs, tool_schema=self.tool_schema)
+
+    @property
+    def effective_tool_choice(self) -> str | dict:
+        """tool_choice as given, checked; "auto" when tools come without one (as OpenAI)."""
+        from pdserve.gateway.tool_parsers import validate_tools
+
+        try:
+            validate_tools(self.tools or None, self.tool_choice)
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(":", 1)[0]) from e
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    @property
+    def tool_schema(self) -> dict | None:
+        """The JSON schema the output must match for tool_choice "required" (a list of
+        calls) or a named function (its arguments); None otherwise."""
+        from pdserve.gateway.tool_parsers import required_tools_schema
+
+        choice = self.effective_tool_choice
+        if choice == "required":
+            return required_tools_schema(self.tools)
+        if isinstance(choice, dict):
+            name = choice["function"]["name"]
+            tool = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+            return tool.get("parameters") or {"type": "object", "properties": {}}
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -21,6 +21,7 @@ import sys
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
+from pdserve.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.services.auth import add_credential_args
@@ -40,7 +41,20 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight beyond which new ones get HTTP 429")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get HTTP 413")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto" (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how tool calls are read from a model's free text for "
+                             "tool_choice \"auto\": hermes (<tool_call> JSON blocks) or "
+                             "llama3_json (default: none)")
     add_log_args(parser)
+
+
+def tool_parser_from_args(args: argparse.Namespace) -> str | None:
+    """The tool-call parser for tool_choice "auto", or None when it is not enabled."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("tool_call_parser: --enable-auto-tool-choice needs --tool-call-parser")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -117,6 +131,7 @@ def build_serve_app(args: argparse.Namespace):
         description = backend.engine.describe()
     app = build_app(backend, names, args.api_key, tokenizer=tokenizer,
                     max_logprobs=engine_args.max_logprobs,
+                    tool_parser=tool_parser_from_args(args),
                     max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes)
     app.state.description = description  # serve_http's startup line
     return app

@@ -22,6 +22,7 @@ class ServingContext:
     max_model_len: int
     metrics: GatewayMetrics
     max_logprobs: int = 20  # the most logprobs a request may ask for (-1: no cap)
+    tool_parser: str | None = None  # tool_choice "auto" reads calls with it (None: refused)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, as the engine's input processor makes them."""

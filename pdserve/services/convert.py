@@ -8,6 +8,7 @@ from pdserve.kv_transfer.connector import KVHandle
 from pdserve.outputs import Logprob
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured_outputs import StructuredOutputsParams
 
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "logprobs",
@@ -24,6 +25,8 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             kwargs[name] = values
     if msg.logit_bias:
         kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
     return SamplingParams(ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
                           include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
 
@@ -39,6 +42,30 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         value = getattr(p, name)
         if value is not None:
             setattr(msg, name, value)
+    if p.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
+    return msg
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """Checked like any user's constraint: ValueError naming the field."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs: no constraint kind is set")
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutputsParams(**{kind: value},
+                                   disable_any_whitespace=msg.disable_any_whitespace)
+
+
+def structured_to_proto(p: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
+    spec = p.spec
+    msg = common_pb2.StructuredOutputs(disable_any_whitespace=not spec.any_whitespace)
+    if spec.kind == "choice":
+        msg.choice.choices.extend(json.loads(spec.source))
+    elif spec.kind == "json_object":
+        msg.json_object = True
+    else:
+        setattr(msg, spec.kind, spec.source)
     return msg
 
 

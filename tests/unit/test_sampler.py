@@ -22,6 +22,7 @@ class Row:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     eos_token_id: int | None = None
     generator: torch.Generator | None = None
+    grammar: object = None  # structured outputs: tested in tests/engine/test_structured_outputs
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
