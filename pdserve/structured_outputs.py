@@ -33,9 +33,6 @@ class GrammarSpec:
     source: str
     any_whitespace: bool = True
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "source": self.source, "any_whitespace": self.any_whitespace}
-
 
 @dataclass
 class StructuredOutputsParams:
@@ -108,16 +105,6 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.{kind}: expected a non-empty string, "
                              f"got {value!r}")
         return GrammarSpec(kind, value)
-
-
-def spec_from_dict(values: Any) -> GrammarSpec:
-    """The inverse of GrammarSpec.to_dict, checked (it crosses processes)."""
-    if not isinstance(values, dict) or values.get("kind") not in _KINDS:
-        raise ValueError(f"structured_outputs.kind: expected one of {', '.join(_KINDS)}")
-    spec = GrammarSpec(values["kind"], str(values.get("source", "")),
-                       bool(values.get("any_whitespace", True)))
-    check_grammar(spec)
-    return spec
 
 
 def _schema(value: Any) -> dict:

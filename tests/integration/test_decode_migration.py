@@ -1,6 +1,8 @@
 """A decode instance killed mid-stream: the request migrates to another decode instance and
-the client sees one uninterrupted stream, token-identical (greedy) to an undisturbed run."""
+the client sees one uninterrupted stream, token-identical (greedy) to an undisturbed run.
+Three decode instances: each migration test kills one."""
 
+import re
 import signal
 
 import grpc
@@ -16,7 +18,7 @@ NEW_TOKENS = 400
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    spec = ClusterSpec(model=str(tiny_model_dir), connector="tcp", num_prefill=1, num_decode=2,
+    spec = ClusterSpec(model=str(tiny_model_dir), connector="tcp", num_prefill=1, num_decode=3,
                        grpc_port=0, disagg_threshold=16, kv_cache_memory_bytes=16 << 20,
                        startup_timeout_s=90, log_dir=str(tmp_path_factory.mktemp("migrate")))
     with Cluster(spec) as c:
@@ -65,3 +67,29 @@ def test_no_decode_left_ends_with_a_clear_error(tiny_model_dir, tmp_path):
             list(call)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "decode-0 failed mid-stream" in e.value.details()
+
+
+def test_migration_keeps_the_grammar(cluster, tiny_model_dir):
+    """A constrained stream migrates: the new decode instance's matcher is advanced over the
+    tokens the client has, so the output still matches and equals an undisturbed run."""
+    pattern = r"([a-z]{1,3} )+"
+    structured = common_pb2.StructuredOutputs(regex=pattern)
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+    request = router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=PROMPT[::-1]),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                           structured_outputs=structured))
+    call = stub.Generate(request, timeout=120)
+    msgs = [next(call) for _ in range(3)]
+    victim = msgs[0].served_by.decode_instance
+    cluster.child(victim).proc.send_signal(signal.SIGKILL)
+    msgs += list(call)
+    assert msgs[-1].served_by.migrations == 1
+    tokens = [t for m in msgs for t in m.token_ids]
+    llm = LLM(str(tiny_model_dir), kv_cache_memory_bytes=16 << 20)
+    want = llm.generate({"prompt_token_ids": PROMPT[::-1]}, SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, structured_outputs={"regex": pattern}),
+        use_tqdm=False)[0].outputs[0]
+    assert tokens == want.token_ids
+    text = "".join(m.text for m in msgs)
+    assert text == want.text and re.fullmatch(r"([a-z]{1,3} )*[a-z]{0,3}", text)
