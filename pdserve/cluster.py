@@ -64,6 +64,7 @@ class ClusterSpec:
     log_dir: str | None = None  # default: a fresh temporary directory
     instance_args: tuple[str, ...] = ()  # extra flags for every instance (e.g. --kv-lease-s 5)
     router_args: tuple[str, ...] = ()  # extra flags for the router
+    gateway_args: tuple[str, ...] = ()  # extra flags for the HTTP gateway (`serve --router`)
     http_port: int | None = None  # the OpenAI-format gateway in front of the router (None: none)
     api_key: str | None = None  # the gateway's Bearer key
     log_level: str = "info"  # every process's --log-level and --log-format
@@ -167,7 +168,8 @@ class Cluster:
         if s.http_port is not None:
             self.http_address = f"{dial}:{s.http_port or free_port(dial)}"
             gateway_cmd = ["serve", "--router", self.router_address, "--model", s.model,
-                           "--host", s.host, "--port", self.http_address.rsplit(":", 1)[1]]
+                           "--host", s.host, "--port", self.http_address.rsplit(":", 1)[1],
+                           *s.gateway_args]
             if s.api_key:
                 gateway_cmd += ["--api-key", s.api_key]
             self._spawn("gateway", "gateway", self.http_address, gateway_cmd)

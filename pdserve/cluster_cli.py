@@ -20,17 +20,24 @@ import sys
 
 from pdserve.cluster import Cluster, ClusterError, ClusterSpec
 from pdserve.engine.engine_args import EngineArgs
+from pdserve.gateway.server import tool_parser_from_args
+from pdserve.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.logging_setup import add_log_args, announce, report, setup_from_args
 from pdserve.services.auth import SECRET_ENV
 
 
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags of `args` that differ from their defaults, as an instance's argv
-    (`--model` goes to each instance on its own)."""
+# The engine flags the HTTP gateway in front of the router reads (tokenization and limits).
+_GATEWAY_ENGINE_FLAGS = frozenset({"tokenizer", "tokenizer_mode", "chat_template",
+                                   "served_model_name", "max_logprobs", "max_model_len"})
+
+
+def engine_flags(args: argparse.Namespace, names: frozenset[str] | None = None) -> list[str]:
+    """The engine flags of `args` that differ from their defaults (only `names`, if given),
+    as an instance's argv (`--model` goes to each instance on its own)."""
     flags: list[str] = []
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
-        if f.name == "model" or value == f.default:
+        if f.name == "model" or value == f.default or (names and f.name not in names):
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
@@ -44,6 +51,15 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's argv beyond its address: the engine flags it reads, tool calling."""
+    flags = engine_flags(args, _GATEWAY_ENGINE_FLAGS)
+    if args.enable_auto_tool_choice:
+        tool_parser_from_args(args)  # fails now, not in a child
+        flags += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
+    return flags
+
+
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("up", help="start a router with prefill and decode instances on "
                                          "this machine")
@@ -54,6 +70,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000,
                    help="the OpenAI-format HTTP API (0 picks a free one; -1: no HTTP)")
     p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/*")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='the gateway allows tool_choice "auto" (needs --tool-call-parser)')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the gateway's tool-call parser for tool_choice \"auto\" "
+                        "(default: none)")
     p.add_argument("--grpc-port", type=int, default=ClusterSpec.grpc_port,
                    help="the router's port (0 picks a free one)")
     p.add_argument("--disagg-threshold", type=int, default=ClusterSpec.disagg_threshold)
@@ -75,7 +96,8 @@ def run_up(args: argparse.Namespace) -> int:
         disagg_threshold=args.disagg_threshold, redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
         log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
         api_key=args.api_key, cluster_secret=secret, log_level=args.log_level,
-        log_format=args.log_format, instance_args=tuple(engine_flags(args)))
+        log_format=args.log_format, instance_args=tuple(engine_flags(args)),
+        gateway_args=tuple(gateway_flags(args)))
     cluster = Cluster(spec)
     announce(f"logs       {cluster.log_dir}")  # first, so a slow or failed start can be read
     stop = cluster.interrupted

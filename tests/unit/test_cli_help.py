@@ -133,3 +133,20 @@ def test_up_takes_the_engine_flags_and_passes_them_to_every_instance():
         ("float32", 4, False)
     assert instance.served_model_name == ["a", "b"]
     assert engine_flags(build_parser().parse_args(["up"])) == []  # defaults stay implicit
+
+
+def test_up_gives_its_gateway_the_tokenizer_flags_and_tool_calling():
+    from pdserve.cli import build_parser
+    from pdserve.cluster_cli import gateway_flags
+
+    args = build_parser().parse_args(
+        ["up", "--dtype", "float32", "--chat-template", "t.jinja", "--max-logprobs", "5",
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    flags = gateway_flags(args)
+    assert flags == ["--chat-template", "t.jinja", "--max-logprobs", "5",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    gateway = build_parser().parse_args(["serve", "--router", "127.0.0.1:1", *flags])
+    assert (gateway.chat_template, gateway.tool_call_parser) == ("t.jinja", "hermes")
+    no_parser = build_parser().parse_args(["up", "--enable-auto-tool-choice"])
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        gateway_flags(no_parser)
