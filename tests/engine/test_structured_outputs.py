@@ -180,3 +180,22 @@ def test_invalid_constraints_are_value_errors(smollm2_llm):
         SamplingParams(structured_outputs={"json": {"type": "objekt"}})
     with pytest.raises(ValueError, match="only one kind"):
         SamplingParams(structured_outputs=so(regex="a", choice=["a"]))
+
+
+def test_offline_chat_passes_tools_and_tool_messages_to_the_template(smollm2_llm):
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>"
+                "{% for c in m.tool_calls or [] %}call {{ c.function.name }} "
+                "city={{ c.function.arguments.city }}{% endfor %}{{ m.content or '' }}"
+                "{% endfor %}<assistant>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]
+    [out] = smollm2_llm.chat(messages, SamplingParams(temperature=0, max_tokens=2),
+                             chat_template=template, tools=tools, use_tqdm=False)
+    prompt = smollm2_llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert prompt == ("[tool get_weather]<user>Weather?<assistant>call get_weather city=Oslo"
+                      "<tool>-3 C<assistant>")
