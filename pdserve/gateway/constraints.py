@@ -43,8 +43,8 @@ def requested_constraint(req, tool_schema: dict | None = None) -> StructuredOutp
         value = getattr(req, name)
         if value is not None:
             asked.append((name, {kind: value}))
-    if tool_schema is not None:
-        asked.append(("tool_choice", {"json": tool_schema}))
+    if tool_schema is not None:  # compact: arguments are for programs, not readers
+        asked.append(("tool_choice", {"json": tool_schema, "disable_any_whitespace": True}))
     if not asked:
         return None
     if len(asked) > 1:
