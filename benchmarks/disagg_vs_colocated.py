@@ -2,7 +2,8 @@
 
 Colocated: one decode instance that prefills everything itself (the router's disaggregation
 threshold set above every prompt). 1P1D: a prefill and a decode instance, every prompt
-disaggregated (threshold 0). Both are driven through `Router.Generate` by the same closed-loop
+disaggregated (threshold 0), each on its own share of the cores as `pdserve up` gives them;
+1P1D shared: the same with `cpu_split=False` (both processes use every core). All are driven through `Router.Generate` by the same closed-loop
 clients, so the ratios compare only the serving topology.
 
     python benchmarks/disagg_vs_colocated.py --out benchmarks/results/disagg_vs_colocated.json
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import threading
@@ -73,10 +75,12 @@ def drive(address: str, requests, concurrency: int) -> dict:
 
 
 def run(topology: str, args, requests) -> dict:
-    spec = ClusterSpec(model=args.model, num_prefill=1 if topology == "1p1d" else 0,
+    disagg = topology.startswith("1p1d")
+    spec = ClusterSpec(model=args.model, num_prefill=1 if disagg else 0,
                        num_decode=1, connector=args.connector, grpc_port=0,
-                       disagg_threshold=0 if topology == "1p1d" else 10**9,
-                       kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                       disagg_threshold=0 if disagg else 10**9,
+                       kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                       cpu_split=topology != "1p1d_shared")
     with Cluster(spec) as cluster:
         return drive(cluster.router_address, requests, args.concurrency)
 
@@ -92,14 +96,17 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     requests = workload(args.requests, args.seed)
-    colocated = run("colocated", args, requests)
-    disagg = run("1p1d", args, requests)
+    load_before = os.getloadavg()
+    runs = {t: run(t, args, requests) for t in ("colocated", "1p1d", "1p1d_shared")}
     keys = ["output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"]
     report = {"workload": {"requests": args.requests, "concurrency": args.concurrency,
                            "prompt_tokens": "128-512", "output_tokens": "32-96",
                            "model": args.model, "connector": args.connector},
-              "colocated": colocated, "1p1d": disagg,
-              "ratio_1p1d_over_colocated": {k: disagg[k] / colocated[k] for k in keys}}
+              "load_before": load_before, "load_after": os.getloadavg(), **runs,
+              "ratio_1p1d_over_colocated": {k: runs["1p1d"][k] / runs["colocated"][k]
+                                            for k in keys},
+              "ratio_1p1d_shared_over_colocated": {
+                  k: runs["1p1d_shared"][k] / runs["colocated"][k] for k in keys}}
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

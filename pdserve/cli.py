@@ -8,6 +8,7 @@ import logging
 import sys
 
 from pdserve.cli_help import HelpFormatter, finish_help
+from pdserve.cpu_budget import add_cpu_args, apply_cpu_budget, cores_from_args
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.ports import PortInUse, check_bindable
 from pdserve.version import version
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None,
                      help="this request's seed (default: the engine's --seed)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_cpu_args(gen)
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
     for module in _SUBCOMMANDS:
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     a bad value (ValueError), 1 for a busy port."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command != "up":  # up's --cpu-cores are the pool it splits
+            apply_cpu_budget(cores_from_args(args))
         check_ports(args)
         return args.func(args)
     except PortInUse as e:

@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.cpu_budget import format_cores, split_cores
 from pdserve.logging_setup import FORMATS, LEVELS
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
@@ -65,6 +66,10 @@ class ClusterSpec:
     instance_args: tuple[str, ...] = ()  # extra flags for every instance (e.g. --kv-lease-s 5)
     router_args: tuple[str, ...] = ()  # extra flags for the router
     gateway_args: tuple[str, ...] = ()  # extra flags for the HTTP gateway (`serve --router`)
+    # Engine processes get disjoint shares of these cores (cpu_budget.split_cores); None:
+    # every core this process may use. cpu_split=False: each uses all of them.
+    cpu_cores: tuple[int, ...] | None = None
+    cpu_split: bool = True
     http_port: int | None = None  # the OpenAI-format gateway in front of the router (None: none)
     api_key: str | None = None  # the gateway's Bearer key
     log_level: str = "info"  # every process's --log-level and --log-format
@@ -173,10 +178,13 @@ class Cluster:
             if s.api_key:
                 gateway_cmd += ["--api-key", s.api_key]
             self._spawn("gateway", "gateway", self.http_address, gateway_cmd)
-        for name, role in planned:
+        shares = split_cores(len(planned), list(s.cpu_cores) if s.cpu_cores else None)
+        for (name, role), cores in zip(planned, shares):
             cmd = [role, "--model", s.model, "--host", s.host,
                    "--port", addresses[name].rsplit(":", 1)[1], "--connector", s.connector,
                    "--router", self.router_address, "--instance-id", name, *s.instance_args]
+            if s.cpu_split:
+                cmd += ["--cpu-cores", format_cores(cores)]
             if s.kv_cache_memory_bytes:
                 cmd += ["--kv-cache-memory-bytes", str(s.kv_cache_memory_bytes)]
             if s.kv_cache_memory_fraction:

@@ -19,6 +19,7 @@ import signal
 import sys
 
 from pdserve.cluster import Cluster, ClusterError, ClusterSpec
+from pdserve.cpu_budget import parse_cores
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.server import tool_parser_from_args
 from pdserve.gateway.tool_parsers import TOOL_PARSERS
@@ -81,6 +82,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--redis-url", default=None)
     p.add_argument("--startup-timeout-s", type=float, default=ClusterSpec.startup_timeout_s)
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--cpu-cores", default=None,
+                   help="the cores the engine processes share out (e.g. 0-7; default: every "
+                        "core this process may use)")
+    p.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each prefill/decode process its own share of the cores, one "
+                        "compute thread per core (--no-cpu-split: each uses all of them)")
     add_log_args(p)
     EngineArgs.add_cli_args(p)  # passed on to every instance (the model to the router too)
     p.set_defaults(func=run_up)
@@ -97,7 +104,9 @@ def run_up(args: argparse.Namespace) -> int:
         log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
         api_key=args.api_key, cluster_secret=secret, log_level=args.log_level,
         log_format=args.log_format, instance_args=tuple(engine_flags(args)),
-        gateway_args=tuple(gateway_flags(args)))
+        gateway_args=tuple(gateway_flags(args)),
+        cpu_cores=tuple(parse_cores(args.cpu_cores)) if args.cpu_cores else None,
+        cpu_split=args.cpu_split)
     cluster = Cluster(spec)
     announce(f"logs       {cluster.log_dir}")  # first, so a slow or failed start can be read
     stop = cluster.interrupted

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 
+from pdserve.cpu_budget import add_cpu_args
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
 from pdserve.gateway.tool_parsers import TOOL_PARSERS
@@ -154,6 +155,7 @@ def add_cli(subparsers) -> None:
                         "gateway's (--tokenizer, --tokenizer-mode, --chat-template, "
                         "--served-model-name, --max-logprobs) are then used")
     add_credential_args(p)  # for --router: the cluster's secret
+    add_cpu_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from pdserve.cpu_budget import add_cpu_args
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.logging_setup import add_log_args, announce, setup_from_args
@@ -146,6 +147,7 @@ def add_instance_args(parser: argparse.ArgumentParser) -> None:
                         help="publish KV events and heartbeats to this Redis prefix index")
     add_credential_args(parser)
     add_log_args(parser)
+    add_cpu_args(parser)
     EngineArgs.add_cli_args(parser)
 
 

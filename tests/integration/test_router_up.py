@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.cpu_budget import split_cores
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -77,6 +78,12 @@ def test_up_serves_and_sigterm_leaves_no_process(tiny_model_dir, tmp_path):
         assert list(endpoints)[:4] == ["http", "router", "prefill-0", "decode-0"]
         pids = children(proc.pid)
         assert len(pids) == 4
+        # Each engine process on its own share of the cores (pdserve.cpu_budget).
+        shares = split_cores(2)
+        for pid in pids:
+            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+            if "prefill" in argv or "decode" in argv:
+                assert sorted(os.sched_getaffinity(pid)) == shares["decode" in argv]
         body = json.dumps({"model": str(tiny_model_dir), "prompt": "Hello", "max_tokens": 3,
                            "temperature": 0}).encode()
         req = urllib.request.Request(endpoints["http"] + "/completions", body,
