@@ -25,6 +25,7 @@ _EXPORTS = {
     "SamplingParams": "pdserve.sampling_params",
     "RequestOutputKind": "pdserve.sampling_params",
     "StructuredOutputsParams": "pdserve.structured_outputs",
+    "BeamSearchParams": "pdserve.beam_search",
     "RequestOutput": "pdserve.outputs",
     "CompletionOutput": "pdserve.outputs",
     "Logprob": "pdserve.outputs",

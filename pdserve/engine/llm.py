@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pdserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.metrics_reader import Metric
@@ -45,6 +46,33 @@ class LLM:
         prompt, or a list with one per prompt.
         """
         return self._run(self._add_prompts(prompts, sampling_params, priority), use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (pdserve/beam_search.py) for each prompt (str, TextPrompt or
+        TokensPrompt); each step runs every live beam of every prompt as one batch."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        engine = self.llm_engine
+        tokenizer = self.get_tokenizer()
+        searches = []
+        for prompt in prompts:
+            _, ids = engine.input_processor.tokenize_prompt(prompt)
+            if len(ids) + params.max_tokens > engine.scheduler.max_model_len:
+                raise ValueError(f"max_tokens: {len(ids)} prompt tokens + {params.max_tokens} "
+                                 f"exceed max_model_len={engine.scheduler.max_model_len}")
+            searches.append(BeamSearch(ids, params, tokenizer.eos_token_id))
+        step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
+                              temperature=params.temperature, ignore_eos=True)
+
+        def next_token_logprobs(batch: list[list[int]]) -> list[dict[int, float]]:
+            outs = self.generate([{"prompt_token_ids": ids} for ids in batch], step,
+                                 use_tqdm=False)
+            return [{t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+                    for out in outs]
+
+        return run_beam_search(searches, next_token_logprobs, tokenizer.decode)
 
     def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
                 | None = None, priority: int | Sequence[int] | None = None,
