@@ -34,6 +34,7 @@ from pdserve.gateway.protocol import (
     CompletionRequest,
     param_of,
 )
+from pdserve.gateway.responses import ResponsesRequest, ResponsesRun
 from pdserve.gateway.serving import ServingContext
 from pdserve.gateway.tokenization import (
     DetokenizeRequest,
@@ -241,6 +242,10 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
         return await serve(request, body, ChatRun)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await serve(request, await parse_body(request, ResponsesRequest), ResponsesRun)
 
     @app.post("/invocations")  # vLLM's SageMaker-compatible endpoint
     async def invocations(request: Request):

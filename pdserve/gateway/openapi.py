@@ -13,11 +13,13 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.gateway.responses import ResponsesRequest
 from pdserve.gateway.tokenization import DetokenizeRequest, TokenizeRequest
 
 BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/responses", "post"): ResponsesRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
 }

@@ -241,3 +241,29 @@ def test_auto_needs_the_server_flags(tmp_path):
     with pytest.raises(APIError) as e:
         ChatRun(ctx, req)
     assert e.value.param == "tool_choice"
+
+
+def test_responses_api_text_json_and_stream(client, http):
+    out = client.responses.create(model="SmolLM2-135M-Instruct", input="Say hello.",
+                                  instructions="Be brief.", max_output_tokens=12,
+                                  temperature=0)
+    assert out.status in ("completed", "incomplete") and out.output_text
+    assert out.usage.output_tokens > 0 and out.usage.input_tokens > 0
+    shaped = client.responses.create(
+        model="SmolLM2-135M-Instruct", max_output_tokens=200, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text",
+                                             "text": "Invent a person."}]}],
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                         "strict": True}})
+    assert shaped.status == "completed"
+    jsonschema.validate(json.loads(shaped.output_text), PERSON)
+    events = list(client.responses.create(model="SmolLM2-135M-Instruct", input="Say hello.",
+                                          instructions="Be brief.", max_output_tokens=12,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",
+                                                            "response.incomplete")
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == out.output_text == events[-1].response.output_text
+    r = http.post("/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
