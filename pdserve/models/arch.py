@@ -5,18 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM"}
+# Known architectures that need attention features the paged kernels lack: what is missing.
+_NEEDS_KERNEL_FEATURES = {
+    "Gemma2ForCausalLM": "attention soft-capping/sliding windows",
+}
 
 # model_type -> architecture, for configs that carry no `architectures` list (e.g. GGUF).
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 
 
 def check_architecture(architecture: str) -> None:
     """Raise ValueError unless `architecture` is one pdserve can run."""
+    if architecture in _NEEDS_KERNEL_FEATURES:
+        raise ValueError(f"architecture: {architecture} needs "
+                         f"{_NEEDS_KERNEL_FEATURES[architecture]}, not supported yet")
     if architecture not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
         raise ValueError(
@@ -38,7 +49,9 @@ def _rope(cfg: Any) -> tuple[float, tuple[tuple[str, object], ...] | None]:
         params = dict(getattr(cfg, "rope_scaling", None) or {})  # transformers 4.x
         params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     theta = float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    # partial_rotary_factor (Phi-3's config carries 1.0) is checked in _check_unsupported.
+    scaling = {k: v for k, v in params.items()
+               if k not in ("rope_theta", "partial_rotary_factor")}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in (None, "default") and set(scaling) <= {"rope_type", "type"}:
         return theta, None
@@ -80,6 +93,7 @@ class ModelArch:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before the rotary embedding
 
     @property
     def rope_scaling_dict(self) -> dict[str, object] | None:
@@ -107,6 +121,13 @@ class ModelArch:
         else:
             attention_bias = bool(getattr(cfg, "attention_bias", False))
         rope_theta, rope_scaling = _rope(cfg)
+        _check_unsupported(cfg, architecture, rope_scaling)
+        max_positions = int(cfg.max_position_embeddings)
+        window = getattr(cfg, "sliding_window", None)
+        if architecture == "Phi3ForCausalLM" and window:
+            # Phi-3 attends only the last `sliding_window` tokens: serve contexts that fit in
+            # the window, where that is the same as full causal attention.
+            max_positions = min(max_positions, int(window))
 
         eos: list[int] = []
         if generation_config is not None:
@@ -127,10 +148,39 @@ class ModelArch:
             rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.max_position_embeddings),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             torch_dtype=_dtype_name(dtype),
+            qk_norm=architecture == "Qwen3ForCausalLM",
         )
+
+
+def _check_unsupported(cfg: Any, architecture: str, rope_scaling: Any) -> None:
+    """Raise ValueError for config options the decoder does not implement."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
+    params = getattr(cfg, "rope_parameters", None)
+    factor = (params.get("partial_rotary_factor") if isinstance(params, dict) else None) \
+        or getattr(cfg, "partial_rotary_factor", None) or 1.0
+    if float(factor) != 1.0:
+        raise ValueError(f"model: partial_rotary_factor={factor} (rotary embedding on part of "
+                         "each head) is not supported")
+    kind = dict(rope_scaling or {}).get("rope_type", dict(rope_scaling or {}).get("type"))
+    if architecture == "Phi3ForCausalLM" and rope_scaling is not None:
+        raise ValueError(f"rope_scaling: {architecture} with rope_scaling type {kind!r} "
+                         "(longrope/su) is not supported; only rope_scaling None is")
+    if kind in ("longrope", "su"):
+        raise ValueError(f"rope_scaling: type {kind!r} is not supported")
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and getattr(
+            cfg, "use_sliding_window", False):
+        layers = int(cfg.num_hidden_layers)
+        types = getattr(cfg, "layer_types", None) or [
+            "sliding_attention" if i >= getattr(cfg, "max_window_layers", layers)
+            else "full_attention" for i in range(layers)]
+        if "sliding_attention" in types:
+            raise ValueError(f"model: {architecture} with use_sliding_window=True "
+                             "(sliding-window attention layers) is not supported")

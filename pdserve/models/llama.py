@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over the paged KV cache.
 
 Pre-norm transformer: RMSNorm -> grouped-query attention with rotary position embeddings ->
 residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm and a (possibly tied) LM head.
 References: Touvron et al. 2023 (LLaMA), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU),
-Ainslie et al. 2023 (GQA). Qwen2 adds biases to the q/k/v projections.
+Ainslie et al. 2023 (GQA). Qwen2 adds biases to the q/k/v projections; Qwen3 drops them and
+RMS-normalises every query and key head before the rotary embedding; Phi-3 checkpoints store
+the q/k/v and gate/up projections already fused (in the layout used here).
 
 All tokens of a step are flattened into one batch of T tokens; `AttentionMetadata` tells each
 attention layer where they go in the cache and which context each one sees.
@@ -95,6 +97,11 @@ class Attention(nn.Module):
                                   bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -102,7 +109,10 @@ class Attention(nn.Module):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (T, (h + 2 kvh) d)
         # q and k are adjacent columns: rotate them as one (T, h + kvh, d) tensor.
-        qk = Rotary.rotate(qkv[:, :self.q_size + self.kv_size].view(T, h + kvh, d), *cos_sin)
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, h + kvh, d)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = Rotary.rotate(qk, *cos_sin)
         q, k = qk[:, :h], qk[:, h:]  # (T, h, d), (T, kvh, d)
         v = qkv[:, self.q_size + self.kv_size:].view(T, kvh, d)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -171,20 +181,23 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up projections."""
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up projections (Phi-3
+        checkpoints have them fused already: q rows, then k, then v; gate, then up)."""
         sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
         own = dict(self.named_parameters())
         missing = set(own)
         for i in range(self.arch.num_hidden_layers):
             p = f"layers.{i}."
             att = p + "self_attn."
-            sd[att + "qkv_proj.weight"] = torch.cat(
-                [sd.pop(att + f"{n}_proj.weight") for n in "qkv"])
-            if self.arch.attention_bias:
+            if att + "qkv_proj.weight" not in sd:
+                sd[att + "qkv_proj.weight"] = torch.cat(
+                    [sd.pop(att + f"{n}_proj.weight") for n in "qkv"])
+            if self.arch.attention_bias and att + "qkv_proj.bias" not in sd:
                 sd[att + "qkv_proj.bias"] = torch.cat(
                     [sd.pop(att + f"{n}_proj.bias") for n in "qkv"])
-            sd[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")])
+            if p + "mlp.gate_up_proj.weight" not in sd:
+                sd[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                    [sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")])
         for name, tensor in sd.items():
             if name not in own:
                 continue  # e.g. rotary inv_freq buffers, or lm_head when tied

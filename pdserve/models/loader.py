@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pdserve.models.arch import ModelArch, check_architecture
+from pdserve.models.hf_cache import cached_snapshot, is_repo_id
 
 if TYPE_CHECKING:
     import torch  # imported where used: resolving a model or its tokenizer needs no torch
@@ -58,10 +59,13 @@ def resolve_model(model: str) -> ResolvedModel:
         path = _bundled_gguf()
     else:
         path = Path(model).expanduser()
-        if not path.exists():
+        if not path.exists() and is_repo_id(model):  # "org/name": the local HF cache
+            path = cached_snapshot(model)
+        elif not path.exists():
             raise ValueError(
                 f"model: path {model!r} does not exist (use {DEFAULT_MODEL!r}, a local "
-                "Hugging Face directory with config.json, or a .gguf file)"
+                "Hugging Face directory with config.json, a .gguf file, or the id of a "
+                "repo in the local Hugging Face cache)"
             )
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
@@ -107,6 +111,8 @@ def resolve_tokenizer(name: str) -> ResolvedModel:
     """Where a tokenizer's files are: a model as `resolve_model` takes it, or a directory
     that holds only a tokenizer (no config.json needed). Never touches the network."""
     path = Path(name).expanduser()
+    if name not in _BUNDLED_NAMES and not path.exists() and is_repo_id(name):
+        path = cached_snapshot(name, what="tokenizer")
     if name not in _BUNDLED_NAMES and path.is_dir():
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
             raise ValueError(f"tokenizer: directory {name!r} has none of "
@@ -114,7 +120,8 @@ def resolve_tokenizer(name: str) -> ResolvedModel:
         return ResolvedModel(path=str(path.resolve()), gguf_file=None, name=name)
     if name not in _BUNDLED_NAMES and not path.exists():
         raise ValueError(f"tokenizer: path {name!r} does not exist (use a local directory "
-                         f"with the tokenizer's files, a .gguf file or {DEFAULT_MODEL!r})")
+                         f"with the tokenizer's files, a .gguf file, {DEFAULT_MODEL!r} or "
+                         "the id of a repo in the local Hugging Face cache)")
     try:
         return resolve_model(name)
     except ValueError as e:

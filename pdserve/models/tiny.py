@@ -1,4 +1,4 @@
-"""Write a tiny, randomly initialised Llama/Qwen2 checkpoint (real SmolLM2 tokenizer) for tests.
+"""Write a tiny, random Llama/Qwen2/Qwen3/Phi-3 checkpoint (real SmolLM2 tokenizer) for tests.
 
 Usage: python -m pdserve.models.tiny PATH
 """
@@ -23,7 +23,7 @@ _INIT_STD = 0.2
 
 
 def _build_config(architecture: str, tok: Any, kw: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=len(tok),
@@ -44,6 +44,12 @@ def _build_config(architecture: str, tok: Any, kw: dict[str, Any]) -> Any:
         cfg = LlamaConfig(attention_bias=kw["attention_bias"], **common)
     elif architecture == "Qwen2ForCausalLM":
         cfg = Qwen2Config(use_sliding_window=False, **common)
+    elif architecture == "Qwen3ForCausalLM":
+        head_dim = kw["head_dim"] or kw["hidden_size"] // kw["num_attention_heads"]
+        cfg = Qwen3Config(use_sliding_window=False, head_dim=head_dim,
+                          attention_bias=kw["attention_bias"], **common)
+    elif architecture == "Phi3ForCausalLM":
+        cfg = Phi3Config(rope_scaling=None, sliding_window=None, **common)
     else:
         raise ValueError(f"model: tiny architecture {architecture!r} is not supported")
     cfg.architectures = [architecture]
@@ -63,6 +69,7 @@ def write_tiny_llama(
     tie_word_embeddings: bool = False,
     attention_bias: bool = False,
     architecture: str = "LlamaForCausalLM",
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random float32 HF checkpoint with the SmolLM2 tokenizer to `path`; return it.
 
@@ -79,12 +86,14 @@ def write_tiny_llama(
         tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
         architecture=architecture, version=_FORMAT_VERSION,
     )
+    if head_dim is not None:  # Qwen3: a head size other than hidden / heads
+        kw["head_dim"] = head_dim
     marker = path / _MARKER
     if marker.is_file() and json.loads(marker.read_text()) == kw and (path / "model.safetensors").is_file():
         return path
 
     tok = load_tokenizer(resolve_model(DEFAULT_MODEL))
-    cfg = _build_config(architecture, tok, kw)
+    cfg = _build_config(architecture, tok, {"head_dim": None, **kw})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
