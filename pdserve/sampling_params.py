@@ -105,6 +105,12 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
+    # Keep only the last k prompt tokens (-1: the model's max_model_len); None keeps all.
+    truncate_prompt_tokens: int | None = None
+    # vLLM: also return the logprobs of these token ids at every generated position.
+    logprob_token_ids: list[int] | None = None
+    # vLLM: a flat logprobs container; accepted, the usual list of dicts is returned.
+    flat_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -142,6 +148,11 @@ class SamplingParams:
             self.logit_bias = self._normalize_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(dict.fromkeys(
+                _int_list("logprob_token_ids", self.logprob_token_ids)))
+            if self.logprob_token_ids and self.logprobs is None:
+                self.logprobs = 0  # the sampled token's, plus these
         kind = self.output_kind
         if isinstance(kind, int) and not isinstance(kind, RequestOutputKind):
             if kind not in (0, 1, 2):
@@ -201,6 +212,12 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or value < -1):
                 raise ValueError(
                     f"{name} must be a non-negative int, -1 (full vocab) or None, got {value!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the model's max length), "
+                             f"an int of at least 1 or None, got {k!r}")
+        if not isinstance(self.flat_logprobs, bool):
+            raise ValueError(f"flat_logprobs must be a bool, got {self.flat_logprobs!r}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise ValueError(f"stop must contain only strings, got {s!r}")
@@ -229,6 +246,7 @@ class SamplingParams:
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],
             "stop_token_ids": self.stop_token_ids or [],
+            "logprob_token_ids": self.logprob_token_ids or [],
         }
         for name, ids in fields.items():
             for token_id in ids:
@@ -249,6 +267,24 @@ class SamplingParams:
             if value is not None and (vocab_size if value == -1 else value) > max_logprobs:
                 raise ValueError(f"{name}: {value} requested, more than max_logprobs="
                                  f"{max_logprobs} (an engine option)")
+
+    def verify_truncation(self, max_model_len: int) -> None:
+        """Raise ValueError if truncate_prompt_tokens keeps more tokens than the model's
+        context holds (as vLLM)."""
+        k = self.truncate_prompt_tokens
+        if k is not None and k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {k} is greater than max_model_len="
+                             f"{max_model_len}")
+
+    def truncate_prompt(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the engine runs it: its last truncate_prompt_tokens tokens (-1:
+        the last max_model_len), or all of it when truncate_prompt_tokens is None."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return list(prompt_ids)
+        self.verify_truncation(max_model_len)
+        k = max_model_len if k == -1 else k
+        return list(prompt_ids[-k:])
 
     def clone(self) -> SamplingParams:
         """A deep copy."""

@@ -30,7 +30,8 @@ class InputProcessor:
             [*model_config.arch.eos_token_ids, *filter(None, [self.eos_token_id])])
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A str, TextPrompt or TokensPrompt -> (prompt text or None, token ids)."""
+        """A str, TextPrompt or TokensPrompt -> (prompt text or None, token ids). The length
+        is checked by `make_requests`, after SamplingParams.truncate_prompt_tokens."""
         if isinstance(prompt, str):
             text, ids = prompt, None
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
@@ -48,6 +49,7 @@ class InputProcessor:
         return text, ids
 
     def _check_prompt(self, ids: list[int]) -> None:
+        """Not empty, and every id in the vocabulary."""
         if not ids:
             raise ValueError("prompt: must not be empty")
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size),
@@ -55,6 +57,8 @@ class InputProcessor:
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+
+    def _check_length(self, ids: list[int]) -> None:
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_len}")
@@ -71,6 +75,8 @@ class InputProcessor:
             raise ValueError(f"sampling_params: expected SamplingParams, "
                              f"got {type(params).__name__}")
         params.verify_vocab(self.vocab_size)
+        prompt_ids = params.truncate_prompt(prompt_ids, self.model_config.max_model_len)
+        self._check_length(prompt_ids)
         remote_kv, prefilled = self._remote_inputs(kv_transfer_params or {}, params)
         if remote_kv is not None:
             remote_kv.check(len(prompt_ids), self.block_size)

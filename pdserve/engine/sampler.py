@@ -61,7 +61,8 @@ class Sampler:
         idx = [i for i, want in enumerate(want_logprobs) if want]
         if idx:
             ks = [params[i].logprobs for i in idx]
-            dicts = _logprob_dicts(raw[idx], tokens[idx], ks)
+            extra = [params[i].logprob_token_ids or [] for i in idx]
+            dicts = _logprob_dicts(raw[idx], tokens[idx], ks, extra)
             for i, d in zip(idx, dicts):
                 results[i].logprobs = d
         return results
@@ -288,10 +289,12 @@ def _exponential_race(probs: torch.Tensor, rows: Sequence[Request]) -> torch.Ten
 
 
 def _logprob_dicts(
-    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int],
+    extra_ids: list[list[int]] | None = None,
 ) -> list[dict[int, tuple[float, int]]]:
-    """logits: (n, V) raw; token_ids: (n,). Per row: token_ids[i] and the top ks[i] tokens
-    (-1: all) -> (logprob, rank); rank counts the tokens with logprob >= its own, like vLLM."""
+    """logits: (n, V) raw; token_ids: (n,). Per row: token_ids[i], the top ks[i] tokens
+    (-1: all) and extra_ids[i] (logprob_token_ids) -> (logprob, rank); rank counts the tokens
+    with logprob >= its own, like vLLM."""
     vocab = logits.shape[1]
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # (n, V)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (n, 1)
@@ -309,6 +312,12 @@ def _logprob_dicts(
         d = {token: (lp, rank)}
         for r in range(ks[i]):
             d[top_ids[i][r]] = (top_vals[i][r], r + 1)
+        if extra_ids and extra_ids[i]:
+            ids = torch.tensor(extra_ids[i], dtype=torch.long, device=logprobs.device)
+            values = logprobs[i, ids]  # (m,)
+            extra_ranks = (logprobs[i].unsqueeze(0) >= values.unsqueeze(1)).sum(dim=-1)
+            for t, v, rk in zip(extra_ids[i], values.tolist(), extra_ranks.tolist()):
+                d.setdefault(t, (v, rk))
         out.append(d)
     return out
 

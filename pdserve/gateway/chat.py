@@ -16,7 +16,9 @@ from pdserve.gateway.serving import (
     Choice,
     ServingContext,
     chat_logprobs,
+    chunk_usage,
     error_event,
+    prompt_logprobs_json,
     sse,
 )
 
@@ -43,12 +45,17 @@ class ChatRun:
         template_kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
             template_kwargs["tools"] = req.tools
-        self.prompt_ids = ctx.encode_chat([m.for_template() for m in req.messages],
-                                          req.add_generation_prompt, req.continue_final_message,
-                                          template_kwargs)
+        self.prompt_ids = req.truncate(
+            ctx.encode_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
+                            req.continue_final_message, template_kwargs),
+            ctx.max_model_len)
         max_tokens = ctx.max_tokens(len(self.prompt_ids), req.requested_max_tokens, "messages")
         self.params = req.sampling_params(max_tokens, ctx.max_logprobs)
         self.k = req.top_logprobs or 0
+        if req.prompt_logprobs is not None and not ctx.backend.supports_prompt_logprobs:
+            raise bad_request("prompt_logprobs: not available from this backend",
+                              "prompt_logprobs")
+        self.counts: dict[int, int] = {}  # streamed: choice index -> tokens so far
 
     async def start(self) -> Generation:
         return await Generation.start(self.ctx.backend, self.id, [(self.prompt_ids, self.params)],
@@ -67,7 +74,10 @@ class ChatRun:
 
     async def respond(self, gen: Generation) -> dict:
         choices: dict[int, Choice] = {}
+        prompt_logprobs = None
         async for idx, delta in gen:
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs = delta.prompt_logprobs
             choices.setdefault(idx, Choice()).add(delta)
         out = []
         for idx in range(self.req.n):
@@ -87,12 +97,19 @@ class ChatRun:
                 "model": self.ctx.model_name, "choices": out, "usage": gen.usage.to_dict()}
         if self.req.return_token_ids:
             body["prompt_token_ids"] = self.prompt_ids
+        if self.req.prompt_logprobs is not None:  # vLLM: on the response (completions: per choice)
+            positions = prompt_logprobs or [None] * len(self.prompt_ids)
+            body["prompt_logprobs"] = prompt_logprobs_json(positions, self.req.prompt_logprobs)
         return body
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                  "model": self.ctx.model_name, "choices": choices}
-        if self.req.include_usage:
+        if self.req.continuous_usage and len(choices) == 1:
+            # vLLM's continuous_usage_stats: the choice's tokens so far on every chunk.
+            chunk["usage"] = chunk_usage(len(self.prompt_ids),
+                                         self.counts.get(choices[0]["index"], 0))
+        elif self.req.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -108,6 +125,7 @@ class ChatRun:
                 yield sse(chunk)
             tools = {idx: self._tools() for idx in range(self.req.n)}
             async for idx, d in gen:
+                self.counts[idx] = self.counts.get(idx, 0) + len(d.token_ids)
                 logprobs = self._logprobs(d.logprobs, d.token_ids)
                 reader = tools.get(idx)
                 if reader is None:

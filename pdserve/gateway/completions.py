@@ -14,6 +14,7 @@ from pdserve.gateway.serving import (
     Choice,
     CompletionLogprobs,
     ServingContext,
+    chunk_usage,
     error_event,
     prompt_logprobs_json,
     sse,
@@ -35,8 +36,11 @@ class CompletionRun:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         prompts = req.prompts()
-        self.prompt_ids = [ctx.encode(p) if isinstance(p, str) else p for p in prompts]
-        self.prompt_texts = [p if isinstance(p, str) else None for p in prompts]
+        encoded = [ctx.encode(p) if isinstance(p, str) else p for p in prompts]
+        self.prompt_ids = [req.truncate(ids, ctx.max_model_len) for ids in encoded]
+        # A truncated prompt is echoed as the text of the tokens kept.
+        self.prompt_texts = [p if isinstance(p, str) and len(ids) == len(full) else None
+                             for p, ids, full in zip(prompts, self.prompt_ids, encoded)]
         self.requests = [(ids, req.sampling_params(ctx.max_tokens(len(ids), req.max_tokens),
                                                    ctx.max_logprobs))
                          for ids in self.prompt_ids]
@@ -99,12 +103,22 @@ class CompletionRun:
         body["usage"] = gen.usage.to_dict()
         return body
 
+    def _usage_field(self, idx: int, counts: dict[int, int]) -> dict:
+        """What a streamed chunk of choice `idx` says of usage: nothing, null, or (vLLM's
+        continuous_usage_stats) its prompt's tokens and the choice's tokens so far."""
+        if not self.req.include_usage:
+            return {}
+        if not self.req.continuous_usage:
+            return {"usage": None}
+        return {"usage": chunk_usage(len(self.prompt_ids[idx // self.n]), counts.get(idx, 0))}
+
     async def stream(self, gen: Generation) -> AsyncIterator[str]:
         fmts: dict[int, CompletionLogprobs] = {}
-        usage_field = {"usage": None} if self.req.include_usage else {}
+        counts: dict[int, int] = {}  # choice index -> tokens generated so far
         try:
             async for idx, d in gen:
                 self._note(idx, d)
+                counts[idx] = counts.get(idx, 0) + len(d.token_ids)
                 text, logprobs = d.text, None
                 first = idx not in fmts
                 fmt = fmts.setdefault(idx, CompletionLogprobs(self.ctx, self.req.logprobs or 0))
@@ -124,7 +138,7 @@ class CompletionRun:
                     if first:
                         choice["prompt_token_ids"] = self.prompt_ids[idx // self.n]
                     choice["token_ids"] = list(d.token_ids)
-                yield sse(self._chunk([choice]) | usage_field)
+                yield sse(self._chunk([choice]) | self._usage_field(idx, counts))
             if self.req.include_usage:
                 yield sse(self._chunk([]) | {"usage": gen.usage.to_dict()})
         except (BackendError, ValueError) as e:

@@ -46,6 +46,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (with include_usage)
 
 
 class JsonSchemaFormat(_Body):
@@ -95,6 +96,7 @@ class _SamplingRequest(_Body):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # vLLM: generated (and prompt) token ids in the answer
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the last k prompt tokens (-1: all fit)
     # Structured outputs (constraints.py): one of these at most.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -131,6 +133,7 @@ class _SamplingRequest(_Body):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
                 structured_outputs=structured, **optional)
         except ValueError as e:
             raise bad_request(str(e), param_of(str(e))) from e
@@ -138,6 +141,21 @@ class _SamplingRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk: vLLM's continuous_usage_stats, which (as in vLLM)
+        takes effect only together with include_usage."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (all when unset); 400 naming the
+        field when the value is bad or above the model's context length."""
+        try:
+            params = SamplingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+            return params.truncate_prompt(prompt_ids, max_model_len)
+        except ValueError as e:
+            raise bad_request(str(e), "truncate_prompt_tokens") from e
 
 
 class CompletionRequest(_SamplingRequest):
@@ -240,15 +258,21 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's extra field
 
     def sampling_params(self, max_tokens: int | None,
                         max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         """The request's SamplingParams; APIError 400 naming the field when one is bad."""
         _check_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
+        _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs: not available when stream is true",
+                              "prompt_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, tool_schema=self.tool_schema)
+        return self._sampling(max_tokens, logprobs, self.prompt_logprobs,
+                              tool_schema=self.tool_schema)
 
     @property
     def effective_tool_choice(self) -> str | dict:
@@ -287,7 +311,8 @@ class ChatCompletionRequest(_SamplingRequest):
 _PARAM_ALIASES = {"max_tokens", "min_tokens", "n", "temperature", "top_p", "top_k", "min_p",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
                   "stop_token_ids", "logprobs", "prompt_logprobs", "logit_bias",
-                  "allowed_token_ids", "bad_words", "prompt", "prompt_token_ids"}
+                  "allowed_token_ids", "bad_words", "prompt", "prompt_token_ids",
+                  "truncate_prompt_tokens"}
 
 
 def param_of(message: str) -> str | None:

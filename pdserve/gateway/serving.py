@@ -69,6 +69,13 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def chunk_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """vLLM's per-chunk usage (stream_options.continuous_usage_stats): the prompt's tokens and
+    the choice's tokens generated so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def error_event(e: Exception) -> str:
     """An SSE event in OpenAI's error shape, for a failure after the stream started."""
     if isinstance(e, ValueError):

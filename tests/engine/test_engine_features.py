@@ -208,3 +208,22 @@ def test_bad_models_are_value_errors(tmp_path):
                                           '"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(str(tmp_path))
+
+
+def test_logprob_token_ids_adds_those_tokens_logprobs(tiny_llm, hf_tiny):
+    """Each position also gets the logprobs of the ids asked for, with their ranks, under the
+    raw logits (checked against transformers)."""
+    tok = tiny_llm.get_tokenizer()
+    ids = tok.encode("The weather today is")
+    watch = [5, 17, 300]
+    [out] = tiny_llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True, logprob_token_ids=watch),
+        use_tqdm=False)
+    c = out.outputs[0]
+    ref = hf_logprobs(hf_tiny, ids + c.token_ids)
+    for pos, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert set(entry) == {token, *watch}
+        row = ref[len(ids) - 1 + pos]
+        for t in watch:
+            assert entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4)
+            assert entry[t].rank == int((row >= row[t]).sum())
