@@ -83,7 +83,7 @@ def gateway(args, logs: Path, name: str, extra: list[str]) -> tuple[str, Proc]:
 
 
 def engine_flags(args) -> list[str]:
-    flags = ["--dtype", args.dtype]
+    flags = ["--dtype", args.dtype, *args.engine_args.split()]
     if args.kv_cache_memory_bytes:
         flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     return flags
@@ -97,7 +97,7 @@ def start_colocated(args, logs: Path):
 def start_1p1d(args, logs: Path):
     from pdserve.cluster import Cluster, ClusterError, ClusterSpec
 
-    flags = ("--dtype", args.dtype)
+    flags = ("--dtype", args.dtype, *args.engine_args.split())
     spec = ClusterSpec(model=args.model, num_prefill=1, num_decode=1, connector=args.connector,
                        grpc_port=0, disagg_threshold=args.disagg_threshold,
                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,

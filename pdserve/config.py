@@ -121,8 +121,14 @@ class SchedulerConfig:
     # them, and what the decode side does when a read fails ("recompute" or "fail").
     kv_lease_s: float = 30.0
     kv_failure_policy: str = "recompute"
+    # Most prompt tokens one step computes while other requests are decoding (None: no bound
+    # beyond max_num_batched_tokens): bounds the pause a new prompt puts into running streams.
+    max_prefill_tokens_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_prefill_tokens_with_decodes must be >= 1, got {cap}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, "
                              f"got {self.max_num_batched_tokens}")

@@ -43,6 +43,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     kv_lease_s: float = 30.0
     kv_failure_policy: str = "recompute"
+    max_prefill_tokens_with_decodes: int | None = None
     device: str = "auto"
     # vLLM's arguments
     tokenizer_mode: str = "auto"
@@ -97,9 +98,12 @@ class EngineArgs:
         cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization, self.enable_prefix_caching,
                             self.kv_cache_memory_fraction)
+        prefill_cap = self.max_prefill_tokens_with_decodes
+        if prefill_cap is None and device.device == "cpu":
+            prefill_cap = CPU_PREFILL_TOKENS_WITH_DECODES
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                     self.scheduling_policy, self.enable_chunked_prefill,
-                                    self.kv_lease_s, self.kv_failure_policy)
+                                    self.kv_lease_s, self.kv_failure_policy, prefill_cap)
         config = EngineConfig(model, cache, scheduler, device)
         vllm_args.log_ignored(self)
         return config
@@ -152,6 +156,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "tokenizer_mode": TOKENIZER_MODES,
     "quantization": ("gguf",),
 }
+# On CPU a step's time grows with its tokens: 256 prompt tokens add about 0.2 s (SmolLM2-135M,
+# 2 cores) to the step every running stream waits for (benchmarks/results/serving_stalls.md).
+CPU_PREFILL_TOKENS_WITH_DECODES = 256
 _IGNORED_HELP = "accepted for vLLM compatibility; ignored here (logged once)"
 _HELP = {
     "model": f"the model: {DEFAULT_MODEL} (bundled), a Hugging Face directory or a .gguf file",
@@ -174,6 +181,10 @@ _HELP = {
     "max_num_seqs": "most requests running at once",
     "scheduling_policy": "fcfs: first come, first served; priority: lower priority value first",
     "enable_chunked_prefill": "split long prompts across steps so that decodes keep going",
+    "max_prefill_tokens_with_decodes": "most prompt tokens a step computes while requests are "
+                                       "decoding: bounds the pause a new prompt puts into "
+                                       "running streams (default: 256 on CPU, no bound on "
+                                       "GPU)",
     "kv_lease_s": "seconds a prefill instance keeps a finished prompt's KV for the decode side",
     "kv_failure_policy": "when a KV pull fails: recompute the prompt on decode, or fail the "
                          "request",

@@ -126,11 +126,13 @@ class Scheduler:
         out = SchedulerOutput()
         self._finish_loads(out)
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         scheduled: set[str] = set()
         for request in list(self.running):
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            left = request.num_tokens - request.num_computed_tokens
+            n = min(left, budget) if left <= 1 else min(left, budget, prefill_budget)
             if n <= 0:
                 continue
             while self.kv.allocate_slots(request, n) is None:
@@ -140,6 +142,7 @@ class Scheduler:
                     out.chunks.remove(chunk)
                     scheduled.discard(victim.request_id)
                     budget += chunk.num_tokens
+                    prefill_budget += chunk.num_tokens if chunk.num_tokens > 1 else 0
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -148,9 +151,19 @@ class Scheduler:
                 out.chunks.append(self._chunk(request, n))
                 scheduled.add(request.request_id)
                 budget -= n
+                prefill_budget -= n if left > 1 else 0
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, min(budget, prefill_budget))
         return out
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may compute: max_prefill_tokens_with_decodes while a
+        running request is decoding (its next token waits for the whole step)."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap is None or not self.config.enable_chunked_prefill or not any(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return self.config.max_num_batched_tokens
+        return cap
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         for request in self._waiting_in_order():

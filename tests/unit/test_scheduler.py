@@ -128,3 +128,23 @@ def test_abort_frees_blocks_and_stop_token():
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert a.status == RequestStatus.FINISHED_ABORTED
     assert pool.num_free_blocks == 16 and not sched.has_unfinished_requests()
+
+
+def test_prompt_tokens_beside_running_decodes_are_capped():
+    """While a request decodes, a new prompt takes at most max_prefill_tokens_with_decodes
+    tokens a step (the decode's next token waits for the whole step); alone, the full budget."""
+    sched, _ = make(num_blocks=64, max_num_batched_tokens=40, max_prefill_tokens_with_decodes=8)
+    sched.add_request(req("a", 20, max_tokens=10))
+    assert [(c.start, c.num_tokens) for c in run_step(sched).chunks] == [(0, 20)]  # alone
+    sched.add_request(req("b", 30, max_tokens=2, first=50))
+    steps = [[(c.request.request_id, c.num_tokens) for c in run_step(sched).chunks]
+             for _ in range(4)]
+    assert steps == [[("a", 1), ("b", 8)], [("a", 1), ("b", 8)], [("a", 1), ("b", 8)],
+                     [("a", 1), ("b", 6)]]
+    uncapped, _ = make(num_blocks=64, max_num_batched_tokens=40)
+    uncapped.add_request(req("a", 20, max_tokens=10))
+    run_step(uncapped)
+    uncapped.add_request(req("b", 30, max_tokens=2, first=50))
+    assert [c.num_tokens for c in run_step(uncapped).chunks] == [1, 30]
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        SchedulerConfig(max_prefill_tokens_with_decodes=0)
