@@ -80,12 +80,20 @@ class BeamSearch:
         self.eos = eos_token_id
         self.live = [BeamSearchSequence(list(prompt_ids))]
         self.complete: list[BeamSearchSequence] = []
+        self.steps = 0
+
+    def next_batch(self) -> list[list[int]]:
+        """The token lists whose next-token logprobs the next step needs ([] when done)."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        return [beam.tokens for beam in self.live]
 
     def _key(self, beam: BeamSearchSequence) -> float:
         return beam_score(beam, self.eos, self.params.length_penalty)
 
     def advance(self, candidates: Sequence[Candidates]) -> None:
         """candidates[i]: the next-token logprobs of live beam i."""
+        self.steps += 1
         grown = []
         for beam, options in zip(self.live, candidates):
             for token, logprob in options.items():
@@ -116,16 +124,13 @@ def run_beam_search(searches: list[BeamSearch],
                     decode: Callable[[list[int]], str]) -> list[BeamSearchOutput]:
     """Run searches side by side: `next_token_logprobs(token lists)` gives each token list's
     top 2 x beam_width next-token logprobs, for every live beam of every search at once."""
-    steps = max((s.params.max_tokens for s in searches), default=0)
-    for step in range(steps):
-        active = [s for s in searches if s.live and step < s.params.max_tokens]
-        if not active:
-            break
-        batch = [beam.tokens for s in active for beam in s.live]
-        results = next_token_logprobs(batch)
+    while True:
+        batches = [(s, s.next_batch()) for s in searches]
+        batches = [(s, b) for s, b in batches if b]
+        if not batches:
+            return [s.result(decode) for s in searches]
+        results = next_token_logprobs([tokens for _, b in batches for tokens in b])
         start = 0
-        for s in active:
-            n = len(s.live)
-            s.advance(results[start:start + n])
-            start += n
-    return [s.result(decode) for s in searches]
+        for s, b in batches:
+            s.advance(results[start:start + len(b)])
+            start += len(b)

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from pdserve.gateway.backend import BackendError
+from pdserve.gateway.beam_stream import beam_generation
 from pdserve.gateway.chat_tools import ToolCallOutput
 from pdserve.gateway.generation import Generation
 from pdserve.gateway.protocol import ChatCompletionRequest, bad_request
@@ -50,7 +51,11 @@ class ChatRun:
                             req.continue_final_message, template_kwargs),
             ctx.max_model_len)
         max_tokens = ctx.max_tokens(len(self.prompt_ids), req.requested_max_tokens, "messages")
-        self.params = req.sampling_params(max_tokens, ctx.max_logprobs)
+        if req.use_beam_search:
+            self.params = req.beam_search_params(
+                max_tokens, (req.top_logprobs or 0) if req.logprobs else None, ctx.max_logprobs)
+        else:
+            self.params = req.sampling_params(max_tokens, ctx.max_logprobs)
         self.k = req.top_logprobs or 0
         if req.prompt_logprobs is not None and not ctx.backend.supports_prompt_logprobs:
             raise bad_request("prompt_logprobs: not available from this backend",
@@ -58,6 +63,8 @@ class ChatRun:
         self.counts: dict[int, int] = {}  # streamed: choice index -> tokens so far
 
     async def start(self) -> Generation:
+        if self.req.use_beam_search:
+            return beam_generation(self.ctx, self.id, [(self.prompt_ids, self.params)])
         return await Generation.start(self.ctx.backend, self.id, [(self.prompt_ids, self.params)],
                                       self.ctx.metrics)
 

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from pdserve.gateway.backend import BackendError, PositionLogprobs
+from pdserve.gateway.beam_stream import beam_generation
 from pdserve.gateway.generation import Generation
 from pdserve.gateway.protocol import CompletionRequest, bad_request
 from pdserve.gateway.serving import (
@@ -41,9 +42,14 @@ class CompletionRun:
         # A truncated prompt is echoed as the text of the tokens kept.
         self.prompt_texts = [p if isinstance(p, str) and len(ids) == len(full) else None
                              for p, ids, full in zip(prompts, self.prompt_ids, encoded)]
-        self.requests = [(ids, req.sampling_params(ctx.max_tokens(len(ids), req.max_tokens),
-                                                   ctx.max_logprobs))
-                         for ids in self.prompt_ids]
+        if req.use_beam_search:
+            self.requests = [(ids, req.beam_search_params(
+                ctx.max_tokens(len(ids), req.max_tokens), req.logprobs, ctx.max_logprobs))
+                for ids in self.prompt_ids]
+        else:
+            self.requests = [(ids, req.sampling_params(ctx.max_tokens(len(ids), req.max_tokens),
+                                                       ctx.max_logprobs))
+                             for ids in self.prompt_ids]
         if not ctx.backend.supports_prompt_logprobs:
             if req.prompt_logprobs is not None:
                 raise bad_request("prompt_logprobs: not available from this backend",
@@ -71,6 +77,8 @@ class CompletionRun:
                 "model": self.ctx.model_name, "choices": choices}
 
     async def start(self) -> Generation:
+        if self.req.use_beam_search:
+            return beam_generation(self.ctx, self.id, self.requests)
         return await Generation.start(self.ctx.backend, self.id, self.requests, self.ctx.metrics)
 
     async def respond(self, gen: Generation) -> dict:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pdserve.beam_search import BeamSearchParams
 from pdserve.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -96,6 +97,8 @@ class _SamplingRequest(_Body):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # vLLM: generated (and prompt) token ids in the answer
+    use_beam_search: bool = False  # vLLM: the n best beams of a beam search (beam_stream.py)
+    length_penalty: float = 1.0
     truncate_prompt_tokens: int | None = None  # vLLM: keep the last k prompt tokens (-1: all fit)
     # Structured outputs (constraints.py): one of these at most.
     response_format: ResponseFormat | None = None
@@ -137,6 +140,30 @@ class _SamplingRequest(_Body):
                 structured_outputs=structured, **optional)
         except ValueError as e:
             raise bad_request(str(e), param_of(str(e))) from e
+
+    def beam_search_params(self, max_tokens: int, logprobs: int | None,
+                           max_logprobs: int) -> BeamSearchParams | None:
+        """use_beam_search's parameters (beam width n), or None; APIError 400 naming the
+        field when the request cannot be a beam search."""
+        if not self.use_beam_search:
+            return None
+        from pdserve.gateway.constraints import requested_constraint
+
+        if requested_constraint(self, getattr(self, "tool_schema", None)) is not None:
+            raise bad_request("use_beam_search: not available with structured outputs or "
+                              "tool_choice", "use_beam_search")
+        if logprobs is not None:
+            raise bad_request("logprobs: not available with use_beam_search", "logprobs")
+        if max_logprobs != -1 and 2 * self.n > max_logprobs:
+            raise bad_request(f"n: a beam search of width {self.n} reads {2 * self.n} logprobs "
+                              f"per step, more than max_logprobs={max_logprobs}", "n")
+        try:
+            return BeamSearchParams(
+                beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 
     @property
     def include_usage(self) -> bool:

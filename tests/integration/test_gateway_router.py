@@ -164,3 +164,14 @@ def test_tool_choice_required_through_the_cluster(client, llm):
         temperature=0, max_tokens=40, structured_outputs={"json": params, "disable_any_whitespace": True}),
         use_tqdm=False)
     assert arguments == json.loads(want.outputs[0].text)
+
+
+def test_beam_search_through_the_cluster(client, llm):
+    """use_beam_search through HTTP -> router -> instances: the gateway's beam search over
+    one-token requests gives the beams of LLM.beam_search on a colocated engine."""
+    from pdserve import BeamSearchParams
+
+    [want] = llm.beam_search(LONG_PROMPT, BeamSearchParams(beam_width=2, max_tokens=4))
+    out = client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=4, n=2,
+                                    temperature=0, extra_body={"use_beam_search": True})
+    assert [c.text for c in out.choices] == [b.text for b in want.sequences]
