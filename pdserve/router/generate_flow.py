@@ -171,6 +171,10 @@ class GenerateFlow:
             self._abort(Code.INVALID_ARGUMENT, "prompt: set text or token_ids")
         if not ids:
             self._abort(Code.INVALID_ARGUMENT, f"prompt: must not be empty ({kind})")
+        try:  # before routing: the prefix index and the instances see the same prompt
+            ids = params.truncate_prompt(ids, self.config.max_model_len or 1 << 62)
+        except ValueError as e:
+            self._abort(Code.INVALID_ARGUMENT, f"sampling.{e}")
         bad = next((t for t in ids if t < 0), None)
         if bad is not None:
             self._abort(Code.INVALID_ARGUMENT, f"prompt.token_ids: token id {bad} is negative")

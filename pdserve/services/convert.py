@@ -13,13 +13,14 @@ from pdserve.structured_outputs import StructuredOutputsParams
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "logprobs",
              "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
-             "detokenize")
+             "detokenize", "truncate_prompt_tokens")
 
 
 def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Proto -> SamplingParams; invalid values raise ValueError naming the field."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+    for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words",
+                 "logprob_token_ids"):
         values = list(getattr(msg, name))
         if values:
             kwargs[name] = values
@@ -28,7 +29,8 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
     return SamplingParams(ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
-                          include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
+                          include_stop_str_in_output=msg.include_stop_str_in_output,
+                          flat_logprobs=msg.flat_logprobs, **kwargs)
 
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -37,7 +39,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         include_stop_str_in_output=p.include_stop_str_in_output,
         stop=p.stop or [], stop_token_ids=p.stop_token_ids or [],
         allowed_token_ids=p.allowed_token_ids or [], bad_words=p.bad_words or [],
-        logit_bias=p.logit_bias or {})
+        logit_bias=p.logit_bias or {}, logprob_token_ids=p.logprob_token_ids or [],
+        flat_logprobs=p.flat_logprobs)
     for name in _OPTIONAL:
         value = getattr(p, name)
         if value is not None:

@@ -216,6 +216,22 @@ def test_list_instances(clusters):
     assert by_id["prefill-0"].role == "prefill" and by_id["prefill-0"].block_size == 16
 
 
+def test_truncation_and_logprob_token_ids_through_the_cluster(clusters, llm):
+    """truncate_prompt_tokens is applied at the router (before routing) and logprob_token_ids
+    reach the instances: the same as the colocated engine."""
+    cluster = clusters("shm")
+    ids = list(range(7000, 7060))
+    msgs = generate(cluster, ids, max_tokens=4, ignore_eos=True, temperature=0,
+                    truncate_prompt_tokens=24, logprob_token_ids=[11, 12])
+    [want] = llm.generate({"prompt_token_ids": ids[-24:]}, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprob_token_ids=[11, 12]),
+        use_tqdm=False)
+    assert tokens(msgs) == want.outputs[0].token_ids
+    assert msgs[-1].usage.prompt_tokens == 24 and msgs[-1].served_by.disaggregated
+    entries = [{e.token_id for e in p.entries} for m in msgs for p in m.logprobs]
+    assert len(entries) == 4 and all({11, 12} <= e for e in entries)
+
+
 # Last: the shm cluster serves every test above, then tcp and nixl start once each.
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_disaggregated_matches_colocated(clusters, llm, connector):

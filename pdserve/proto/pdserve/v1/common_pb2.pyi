@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words", "detokenize", "structured_outputs")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words", "detokenize", "structured_outputs", "truncate_prompt_tokens", "logprob_token_ids", "flat_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,9 @@ class SamplingParams(_message.Message):
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FLAT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -63,7 +66,10 @@ class SamplingParams(_message.Message):
     bad_words: _containers.RepeatedScalarFieldContainer[str]
     detokenize: bool
     structured_outputs: StructuredOutputs
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., detokenize: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
+    truncate_prompt_tokens: int
+    logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    flat_logprobs: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., detokenize: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., flat_logprobs: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "json_object", "regex", "choice", "grammar", "structural_tag", "disable_any_whitespace")
