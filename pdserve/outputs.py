@@ -108,3 +108,52 @@ class RequestOutput:
                 f"finished={self.finished}, metrics={self.metrics}, "
                 f"num_cached_tokens={self.num_cached_tokens}, "
                 f"kv_transfer_params={self.kv_transfer_params})")
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled output of one prompt: `data`, a tensor (an embedding for embed)."""
+
+    data: Any  # torch.Tensor (float32, on the CPU)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output data of a pooling request (LLM.encode)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding: a list of floats, of length `hidden_size` (or the `dimensions` asked)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The output data of an embedding request (LLM.embed)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished, out.num_cached_tokens, out.prompt)

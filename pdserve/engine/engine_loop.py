@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.request_log import RequestLog
 from pdserve.engine.stats_logger import Counters, StatsLogger
 from pdserve.outputs import RequestOutput
+from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # the loop is given an engine; importing one would load torch
@@ -128,12 +129,13 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def submit(self, request_id: str, prompt, params: SamplingParams,
+    def submit(self, request_id: str, prompt, params: SamplingParams | PoolingParams,
                kv_transfer_params: dict | None = None, priority: int = 0,
                output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> OutputStream:
         """Queue a request; raises ValueError on bad input (nothing is queued then)."""
         params = params.clone()
-        params.output_kind = output_kind
+        if isinstance(params, SamplingParams):  # PoolingParams: one final output
+            params.output_kind = output_kind
         stream = OutputStream(self, request_id)
         start = time.monotonic()
 

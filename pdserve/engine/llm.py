@@ -12,9 +12,11 @@ from pdserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.metrics_reader import Metric
+from pdserve.engine.pooling import add_pooling_prompts, to_embedding_outputs
 from pdserve.engine.vllm_args import load_chat_template
 from pdserve.models.loader import DEFAULT_MODEL
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -46,6 +48,35 @@ class LLM:
         prompt, or a list with one per prompt.
         """
         return self._run(self._add_prompts(prompts, sampling_params, priority), use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
+              | None = None, use_tqdm: bool = True, *,
+              truncate_prompt_tokens: int | None = None,
+              priority: int | Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`): the final hidden state of its last
+        token, L2-normalized unless pooling_params.normalize is False (engine/pooling.py)."""
+        return to_embedding_outputs(self.encode(
+            prompts, pooling_params, use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens,
+            priority=priority))
+
+    def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
+               | None = None, use_tqdm: bool = True, *,
+               truncate_prompt_tokens: int | None = None, pooling_task: str | None = None,
+               priority: int | Sequence[int] | None = None) -> list[PoolingRequestOutput]:
+        """Pooled outputs (`.outputs.data`, a tensor) for one prompt or a list; only the
+        "embed" pooling task is served."""
+        if pooling_task not in (None, "embed"):
+            raise ValueError(f"pooling_task: only 'embed' is supported, got {pooling_task!r}")
+        if truncate_prompt_tokens is not None:
+            base = pooling_params if pooling_params is not None else PoolingParams()
+            pooling_params = [PoolingParams(p.normalize, p.dimensions, truncate_prompt_tokens)
+                              for p in ([base] if isinstance(base, PoolingParams) else base)]
+            if len(pooling_params) == 1:
+                pooling_params = pooling_params[0]
+        count = 1 if isinstance(prompts, (str, dict)) else len(prompts)
+        ids = add_pooling_prompts(self.llm_engine, prompts, pooling_params,
+                                  _priorities(priority, count))
+        return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

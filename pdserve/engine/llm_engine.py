@@ -22,12 +22,14 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.metrics_reader import Metric, engine_metrics
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.pooling import make_pooling_request
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv_transfer.connector import KVConnector
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import load_state_dict, load_tokenizer
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import PoolingRequestOutput, RequestOutput
+from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -108,11 +110,12 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams,
+    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, priority: int = 0,
                     kv_transfer_params: dict | None = None) -> str:
         """Queue a prompt (str, TextPrompt or TokensPrompt); returns `request_id` (as vLLM).
-        Raises ValueError on bad input."""
+        With PoolingParams it is an embedding request (its step output is a
+        PoolingRequestOutput, see pooling.py). Raises ValueError on bad input."""
         self._check_awake()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -122,8 +125,15 @@ class LLMEngine:
             params.verify_max_logprobs(self.config.model.max_logprobs,
                                        self.config.model.arch.vocab_size)
         text, ids = self.input_processor.tokenize_prompt(prompt)
-        children = self.input_processor.make_requests(request_id, ids, params, arrival_time,
-                                                      priority, kv_transfer_params)
+        if isinstance(params, PoolingParams):
+            if kv_transfer_params:
+                raise ValueError("kv_transfer_params: not supported for embeddings")
+            children = [make_pooling_request(self, request_id, ids, params, arrival_time,
+                                             priority)]
+        else:
+            children = self.input_processor.make_requests(request_id, ids, params,
+                                                          arrival_time, priority,
+                                                          kv_transfer_params)
         self.output_processor.add(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -137,7 +147,7 @@ class LLMEngine:
                                            RequestStatus.FINISHED_ABORTED)
             self.output_processor.remove(rid)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one iteration: schedule, execute the model, update requests, make outputs."""
         self._check_awake()
         sched = self.scheduler.schedule()

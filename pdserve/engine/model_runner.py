@@ -1,7 +1,8 @@
 """The model runner: owns the model and the KV cache tensor, executes one scheduled batch.
 
 It turns a `SchedulerOutput` into flat input tensors and attention metadata, runs the model,
-and samples the requests whose chunk reached their last known token. It changes no request.
+and samples the requests whose chunk reached their last known token (a pooling request's last
+prompt token is pooled instead, pooling.py). It changes no request.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.pooling import pool_hidden
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
@@ -49,7 +51,10 @@ class ModelRunner:
         end = 0
         for chunk in sched.chunks:
             end += chunk.num_tokens
-            if chunk.completes_sequence:
+            if chunk.completes_sequence and chunk.request.pooling_params is not None:
+                out.pooled[chunk.request.request_id] = pool_hidden(
+                    hidden[end - 1], chunk.request.pooling_params)
+            elif chunk.completes_sequence:
                 rows.append(chunk.request)
                 last_idx.append(end - 1)
         if rows:

@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import ModelRunnerOutput
-from pdserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pdserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -36,6 +43,7 @@ class ParentState:
     sequences: list[SequenceState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    pooled: object = None  # a pooling request's result (a tensor), once computed
 
     @property
     def finished(self) -> bool:
@@ -85,6 +93,10 @@ class OutputProcessor:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
             self._add_prompt_logprobs(parent, result.prompt_logprobs.get(request.request_id))
+            if request.request_id in result.pooled:
+                parent.pooled = result.pooled[request.request_id]
+                metrics.first_token_time = metrics.last_token_time = now
+                continue
             sample = result.sampled.get(request.request_id)
             if sample is None:
                 continue
@@ -137,9 +149,11 @@ class OutputProcessor:
         return {tid: Logprob(lp, rank, self.tokenizer.decode([tid]) if decode else None)
                 for tid, (lp, rank) in raw.items()}
 
-    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+    def _make_output(self, parent: ParentState) -> RequestOutput | PoolingRequestOutput | None:
         kind = parent.params.output_kind
         finished = parent.finished
+        if parent.sequences[0].request.pooling_params is not None:
+            return self._make_pooling_output(parent) if finished else None
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
@@ -169,3 +183,13 @@ class OutputProcessor:
             num_cached_tokens=max(first.num_cached_tokens, 0),
             kv_transfer_params=first.kv_transfer_params if finished else None,
             error=first.error)
+
+    def _make_pooling_output(self, parent: ParentState) -> PoolingRequestOutput:
+        request = parent.sequences[0].request
+        if parent.metrics.finished_time is None:
+            parent.metrics.finished_time = time.time()
+        return PoolingRequestOutput(
+            request_id=parent.request_id, outputs=PoolingOutput(parent.pooled),
+            prompt_token_ids=parent.prompt_token_ids, finished=True,
+            num_cached_tokens=max(request.num_cached_tokens, 0), prompt=parent.prompt,
+            metrics=copy.copy(parent.metrics), error=request.error)

@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from pdserve.engine.structured_output import GrammarState
     from pdserve.kv_transfer.connector import KVHandle
+    from pdserve.pooling_params import PoolingParams
     from pdserve.sampling_params import SamplingParams
 
 
@@ -79,6 +80,8 @@ class Request:
     generator: torch.Generator | None = None
     # Structured outputs: where this sequence is in its grammar (None: unconstrained).
     grammar: GrammarState | None = None
+    # Embeddings: pool the last prompt token's hidden state instead of sampling (pooling.py).
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         seed = self.sampling_params.seed

@@ -54,7 +54,7 @@ class RequestLog:
         p.prompt_tokens = len(out.prompt_token_ids or ())
         p.cached_tokens = out.num_cached_tokens or 0
         p.metrics = out.metrics or p.metrics
-        for c in out.outputs:
+        for c in out.outputs if isinstance(out.outputs, list) else ():  # pooling: none
             n = len(c.token_ids)
             p.output_tokens[c.index] = p.output_tokens.get(c.index, 0) + n if p.delta else n
             if c.finish_reason:

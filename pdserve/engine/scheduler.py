@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.block_hash import extend_block_hashes
 from pdserve.config import SchedulerConfig
@@ -19,6 +20,9 @@ from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampleResult
 from pdserve.kv_transfer.connector import KVConnector, LoadResult
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class ModelRunnerOutput:
 
     sampled: dict[str, SampleResult] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests' results
 
 
 class Scheduler:
@@ -300,6 +305,9 @@ class Scheduler:
                 request.append_output_token(sample.token_id)
                 extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
                 self._check_stop(request)
+                touched.append(request)
+            elif request.request_id in result.pooled:  # an embedding is done: nothing follows
+                request.status = RequestStatus.FINISHED_STOPPED
                 touched.append(request)
             elif request.request_id in result.prompt_logprobs:
                 touched.append(request)

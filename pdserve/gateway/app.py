@@ -20,6 +20,7 @@ import pdserve
 from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.chat import ChatRun
 from pdserve.gateway.completions import CompletionRun
+from pdserve.gateway.embeddings import EmbeddingRequest, create_embeddings
 from pdserve.gateway.guards import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -246,6 +247,19 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await serve(request, await parse_body(request, ResponsesRequest), ResponsesRun)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await parse_body(request, EmbeddingRequest)
+        check_model(body)
+        admission.enter()
+        try:
+            result = await until_disconnect(request, create_embeddings(ctx, body))
+        finally:
+            admission.leave()
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(result)
 
     @app.post("/invocations")  # vLLM's SageMaker-compatible endpoint
     async def invocations(request: Request):

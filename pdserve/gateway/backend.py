@@ -13,6 +13,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import SamplingParams
 
 
@@ -30,6 +31,14 @@ class BackendUnavailable(BackendError):
     status = 503
     type = "service_unavailable_error"
     code = "service_unavailable"
+
+
+class BackendUnsupported(BackendError):
+    """The request is valid but this backend cannot serve it (e.g. embeddings via a router)."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = None
 
 
 class BackendOverloaded(BackendError):
@@ -154,6 +163,12 @@ class Backend(abc.ABC):
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> DeltaStream:
         """Start a request. Raises ValueError on bad input, BackendError if it cannot run."""
+
+    async def embed(self, request_id: str, prompt_ids: list[int],
+                    pooling: PoolingParams) -> list[float]:
+        """The embedding of one tokenized prompt. Raises ValueError on bad input (naming the
+        field), BackendError if it cannot run (by default: not served here)."""
+        raise BackendUnsupported("embeddings: not served by this backend")
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -25,7 +25,8 @@ from pdserve.gateway.backend import (
     TokenLogprob,
     Usage,
 )
-from pdserve.outputs import Logprob, RequestOutput
+from pdserve.outputs import Logprob, PoolingRequestOutput, RequestOutput
+from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import SamplingParams
 
 
@@ -65,6 +66,36 @@ class LocalBackend(Backend):
                 lambda f: f.cancelled() or f.exception() or self._abort_soon(request_id))
             raise
         return _LocalStream(self, stream)
+
+    async def embed(self, request_id: str, prompt_ids: list[int],
+                    pooling: PoolingParams) -> list[float]:
+        """Submitted to the engine loop as a pooling request; its one (final) output is
+        handed from the engine's thread to this event loop."""
+        aloop = asyncio.get_running_loop()
+        stream = await self._call(self.loop.submit, request_id,
+                                  {"prompt_token_ids": list(prompt_ids)}, pooling)
+        done: asyncio.Future[PoolingRequestOutput | BaseException] = aloop.create_future()
+
+        def deliver(item) -> None:  # on the engine's thread
+            def settle() -> None:
+                if not done.done():
+                    done.set_result(item)
+            try:
+                aloop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        stream.listen(deliver)
+        try:
+            out = await done
+        except asyncio.CancelledError:  # the client left: free its blocks
+            self._abort_soon(request_id)
+            raise
+        if isinstance(out, BaseException):
+            raise BackendError(str(out))
+        if out.error:
+            raise BackendError(f"request {request_id} failed: {out.error}")
+        return out.outputs.data.tolist()
 
     def _abort_soon(self, request_id: str) -> None:
         try:

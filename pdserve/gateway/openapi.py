@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from pdserve.gateway.embeddings import EmbeddingRequest
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.gateway.responses import ResponsesRequest
 from pdserve.gateway.tokenization import DetokenizeRequest, TokenizeRequest
@@ -20,6 +21,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
     ("/v1/responses", "post"): ResponsesRequest,
+    ("/v1/embeddings", "post"): EmbeddingRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
 }

@@ -19,6 +19,7 @@ from pdserve.gateway.backend import (
     BackendStats,
     BackendTimeout,
     BackendUnavailable,
+    BackendUnsupported,
     Delta,
     DeltaStream,
     ModelInfo,
@@ -26,6 +27,7 @@ from pdserve.gateway.backend import (
     TokenLogprob,
     Usage,
 )
+from pdserve.pooling_params import PoolingParams
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.auth import SECRET_ENV, Credentials
@@ -74,6 +76,11 @@ class RouterBackend(Backend):
             self._channel = (grpc.aio.secure_channel(self.address, tls.channel_credentials())
                              if tls is not None else grpc.aio.insecure_channel(self.address))
         return router_pb2_grpc.RouterStub(self._channel)
+
+    async def embed(self, request_id: str, prompt_ids: list[int],
+                    pooling: PoolingParams) -> list[float]:
+        # NOTE: the router's gRPC API has no embedding call.
+        raise BackendUnsupported("embeddings: not served through the router yet")
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> DeltaStream:
