@@ -1,0 +1,69 @@
+"""One system's offline run, for vs_vllm.py: the same script drives pdserve and vLLM's CPU build
+(`--engine pdserve|vllm`), through the same `LLM` / `SamplingParams` API.
+
+Workloads (random token ids from [100, vocab), fixed seed, greedy, `ignore_eos`):
+- `offline`: `--num-requests` prompts of 32-512 tokens, outputs of 16-256 tokens.
+- `decode`: 64 prompts of 64 tokens, 128 tokens each (decode-heavy).
+A small warm-up runs first; the timed `generate` reports wall time and this process's CPU time
+(vLLM runs its engine in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import time
+
+
+def workload(kind: str, n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    if kind == "decode":
+        return [([rng.randrange(100, vocab) for _ in range(64)], 128) for _ in range(64)]
+    return [([rng.randrange(100, vocab) for _ in range(rng.randint(32, 512))],
+             rng.randint(16, 256)) for _ in range(n)]
+
+
+def cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["pdserve", "vllm"], required=True)
+    p.add_argument("--model", required=True, help="a Hugging Face directory")
+    p.add_argument("--workload", choices=["offline", "decode"], default="offline")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.engine == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from vllm import LLM, SamplingParams
+        llm = LLM(args.model, dtype="float32", max_model_len=2048, seed=args.seed)
+    else:
+        from pdserve import LLM, SamplingParams
+        llm = LLM(args.model, dtype="float32", max_model_len=2048,
+                  kv_cache_memory_bytes=2 << 30, seed=args.seed)
+    vocab = len(llm.get_tokenizer())
+    reqs = workload(args.workload, args.num_requests, vocab, args.seed)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2,
+                 use_tqdm=False)
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(n for _, n in reqs), "an output ended early"
+    print(json.dumps({"engine": args.engine, "workload": args.workload, "tokens": tokens,
+                      "wall_s": wall, "cpu_s": cpu, "tok_per_s": tokens / wall,
+                      "tok_per_cpu_s": tokens / cpu}))
+
+
+if __name__ == "__main__":
+    main()
