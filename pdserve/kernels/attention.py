@@ -313,10 +313,62 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out[0].transpose(0, 1)
 
 
+def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, context_len: int, scale: float,
+                     softcap: float | None, sliding_window: int | None) -> torch.Tensor:
+    """Attention of one sequence's last n = q.shape[0] tokens over its cached context, with
+    explicit scores: (q . k) * scale, then softcap * tanh(scores / softcap) when set, then
+    the mask (key j is seen by the query at position p when j <= p and, with a window W,
+    j > p - W), softmax in float32, times v. q: (n, h, d) -> (n, h, d)."""
+    n, h, d = q.shape
+    k_all = gather_kv(k_cache, block_table, context_len)  # (L, kvh, d)
+    v_all = gather_kv(v_cache, block_table, context_len)
+    group = h // k_all.shape[1]
+    k_all = k_all.repeat_interleave(group, dim=1).transpose(0, 1)  # (h, L, d)
+    v_all = v_all.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), k_all.transpose(1, 2)) * scale  # (h, n, L)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]  # (n, 1)
+    keys = torch.arange(context_len, device=q.device)[None, :]  # (1, L)
+    visible = keys <= pos
+    if sliding_window is not None:
+        visible &= keys > pos - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_all.dtype)
+    return torch.matmul(probs, v_all).transpose(0, 1)  # (n, h, d)
+
+
+def _masked_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float, softcap: float | None,
+                            sliding_window: int | None) -> torch.Tensor:
+    """Every decode and prefill span through `masked_attention`, one sequence at a time."""
+    out = torch.empty_like(q)
+    lens = meta.decode_seq_lens.tolist()
+    for i, row in enumerate(meta.decode_token_idx.tolist()):
+        out[row:row + 1] = masked_attention(q[row:row + 1], k_cache, v_cache,
+                                            meta.decode_block_tables[i], lens[i], scale,
+                                            softcap, sliding_window)
+    for span in meta.prefills:
+        s, e = span.token_start, span.token_end
+        out[s:e] = masked_attention(q[s:e], k_cache, v_cache, span.block_table,
+                                    span.context_len, scale, softcap, sliding_window)
+    return out
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write this step's K/V into the cache and attend. q: (T, h, d), k/v: (T, kvh, d)."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    softcap: float | None = None, sliding_window: int | None = None
+                    ) -> torch.Tensor:
+    """Write this step's K/V into the cache and attend. q: (T, h, d), k/v: (T, kvh, d).
+
+    With `softcap` (scores -> softcap * tanh(scores / softcap)) or `sliding_window` (a query
+    at position p sees keys p - sliding_window + 1 .. p) set, attention takes the simple
+    explicit-score path (`masked_attention`); otherwise the fast paths below."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if softcap is not None or sliding_window is not None:
+        return _masked_paged_attention(q, k_cache, v_cache, meta, scale, softcap,
+                                       sliding_window)
     if meta.num_decodes:
         plan, rows = meta.decode_plan(q, k_cache, v_cache)
         decoded = _decode(q.index_select(0, rows), k_cache, v_cache, plan, scale)

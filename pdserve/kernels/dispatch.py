@@ -18,8 +18,16 @@ except ImportError:  # Triton absent: the reference serves every device
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write K/V into the cache and attend, on the best implementation for `q.device`."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    softcap: float | None = None, sliding_window: int | None = None
+                    ) -> torch.Tensor:
+    """Write K/V into the cache and attend, on the best implementation for `q.device`.
+
+    Attention soft-capping and sliding windows (Gemma) are not in the Triton kernels: with
+    either set, CUDA tensors fall back to the torch path too (slower, but correct)."""
+    if softcap is not None or sliding_window is not None:
+        return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale,
+                                         softcap=softcap, sliding_window=sliding_window)
     if q.is_cuda and triton_attention is not None:
         return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-                           "Qwen3ForCausalLM", "Phi3ForCausalLM"}
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM"}
+GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # Known architectures that need attention features the paged kernels lack: what is missing.
-_NEEDS_KERNEL_FEATURES = {
-    "Gemma2ForCausalLM": "attention soft-capping/sliding windows",
-}
+_NEEDS_KERNEL_FEATURES: dict[str, str] = {}
 
 # model_type -> architecture, for configs that carry no `architectures` list (e.g. GGUF).
 _MODEL_TYPE_TO_ARCH = {
@@ -20,6 +21,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -93,7 +95,32 @@ class ModelArch:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before the rotary embedding
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before the rotary
+    # Gemma 2 and 3 (None/"silu" elsewhere): attention scale query_pre_attn_scalar ** -0.5,
+    # tanh soft-capping of attention scores and of the final logits (Gemma 2), and a sliding
+    # window on the layers whose layer_types entry is "sliding_attention".
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 3: the sliding-window layers' own rotary embedding (rope_theta/rope_scaling are
+    # the full-attention layers'); None: every layer uses rope_theta/rope_scaling.
+    local_rope_theta: float | None = None
+    local_rope_scaling: tuple[tuple[str, object], ...] | None = None
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma layout: scaled embeddings, (1 + weight) RMSNorms, four norms per layer."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (a query at position p sees keys at
+        positions p - window + 1 .. p), or None for full causal attention."""
+        if self.sliding_window is None or self.layer_types is None:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @property
     def rope_scaling_dict(self) -> dict[str, object] | None:
@@ -120,7 +147,10 @@ class ModelArch:
             attention_bias = True  # Qwen2 always has q/k/v biases
         else:
             attention_bias = bool(getattr(cfg, "attention_bias", False))
-        rope_theta, rope_scaling = _rope(cfg)
+        if architecture == "Gemma3ForCausalLM":
+            rope_theta, rope_scaling = _gemma3_rope(cfg, "full_attention")
+        else:
+            rope_theta, rope_scaling = _rope(cfg)
         _check_unsupported(cfg, architecture, rope_scaling)
         max_positions = int(cfg.max_position_embeddings)
         window = getattr(cfg, "sliding_window", None)
@@ -136,6 +166,7 @@ class ModelArch:
         bos = getattr(cfg, "bos_token_id", None)
         dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
 
+        gemma = _gemma_fields(cfg, architecture) if architecture in GEMMA_ARCHITECTURES else {}
         return cls(
             architecture=architecture,
             vocab_size=int(cfg.vocab_size),
@@ -154,15 +185,74 @@ class ModelArch:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             torch_dtype=_dtype_name(dtype),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            **gemma,
         )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _gemma3_rope(cfg: Any, layer_type: str) -> tuple[float, Any]:
+    """Gemma 3's (rope_theta, rope scaling) of one layer type: transformers >= 5 keeps one
+    rope_parameters dict per layer type; 4.x has rope_theta/rope_scaling for full attention
+    and rope_local_base_freq (no scaling) for sliding windows."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type in params:
+        return _rope(SimpleNamespace(rope_parameters=dict(params[layer_type] or {})))
+    if layer_type == "full_attention":
+        return _rope(cfg)
+    return float(getattr(cfg, "rope_local_base_freq", 10000.0)), None
+
+
+def _gemma_fields(cfg: Any, architecture: str) -> dict[str, Any]:
+    """The Gemma 2/3 specific ModelArch fields."""
+    layers = int(cfg.num_hidden_layers)
+    # Configs without layer_types: every `pattern`-th layer has full attention, others slide.
+    pattern = 2 if architecture == "Gemma2ForCausalLM" else int(
+        getattr(cfg, "sliding_window_pattern", None)
+        or getattr(cfg, "_sliding_window_pattern", None) or 6)
+    types = getattr(cfg, "layer_types", None) or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    window = getattr(cfg, "sliding_window", None)
+    local_rope = {}
+    if architecture == "Gemma3ForCausalLM":
+        theta, scaling = _gemma3_rope(cfg, "sliding_attention")
+        local_rope = dict(local_rope_theta=theta, local_rope_scaling=scaling)
+    return dict(
+        **local_rope,
+        hidden_act=str(getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"),
+        query_pre_attn_scalar=float(cfg.query_pre_attn_scalar),
+        attn_logit_softcapping=_optional_float(getattr(cfg, "attn_logit_softcapping", None)),
+        final_logit_softcapping=_optional_float(getattr(cfg, "final_logit_softcapping", None)),
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple(str(t) for t in types),
+    )
 
 
 def _check_unsupported(cfg: Any, architecture: str, rope_scaling: Any) -> None:
     """Raise ValueError for config options the decoder does not implement."""
-    act = getattr(cfg, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
+    if architecture in GEMMA_ARCHITECTURES:
+        act = getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"model: hidden_activation {act!r} is not supported for "
+                             f"{architecture} (only gelu_pytorch_tanh)")
+        types = getattr(cfg, "layer_types", None) or []
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"model: layer_types {unknown} are not supported "
+                             "(only sliding_attention and full_attention)")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError(f"model: use_bidirectional_attention=True ({architecture} as an "
+                             "encoder) is not supported")
+        if len(types) not in (0, int(cfg.num_hidden_layers)):
+            raise ValueError(f"model: layer_types has {len(types)} entries for "
+                             f"{cfg.num_hidden_layers} layers")
+    else:
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
     params = getattr(cfg, "rope_parameters", None)
     factor = (params.get("partial_rotary_factor") if isinstance(params, dict) else None) \
         or getattr(cfg, "partial_rotary_factor", None) or 1.0

@@ -1,11 +1,13 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over the paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3) over the
+paged KV cache.
 
 Pre-norm transformer: RMSNorm -> grouped-query attention with rotary position embeddings ->
 residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm and a (possibly tied) LM head.
 References: Touvron et al. 2023 (LLaMA), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU),
 Ainslie et al. 2023 (GQA). Qwen2 adds biases to the q/k/v projections; Qwen3 drops them and
 RMS-normalises every query and key head before the rotary embedding; Phi-3 checkpoints store
-the q/k/v and gate/up projections already fused (in the layout used here).
+the q/k/v and gate/up projections already fused (in the layout used here). Gemma 2/3's layers,
+norms and embedding scale are in gemma.py; its attention settings are read here from the arch.
 
 All tokens of a step are flattened into one batch of T tokens; `AttentionMetadata` tells each
 attention layer where they go in the cache and which context each one sees.
@@ -13,6 +15,7 @@ attention layer where they go in the cache and which context each one sees.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -86,7 +89,7 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, layer: int = 0, norm: type[nn.Module] | None = None):
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -96,10 +99,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        self.scale = (arch.query_pre_attn_scalar or self.head_dim) ** -0.5
+        # Gemma: soft-capped scores (2); a sliding window on some layers (None elsewhere).
+        self.softcap = arch.attn_logit_softcapping
+        self.window = arch.layer_window(layer)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            norm = norm or RMSNorm  # Gemma 3: gemma.GemmaRMSNorm
+            self.q_norm = norm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, arch.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -115,7 +122,11 @@ class Attention(nn.Module):
         qk = Rotary.rotate(qk, *cos_sin)
         q, k = qk[:, :h], qk[:, h:]  # (T, h, d), (T, kvh, d)
         v = qkv[:, self.q_size + self.kv_size:].view(T, kvh, d)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if self.softcap is None and self.window is None:
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        else:
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                  softcap=self.softcap, sliding_window=self.window)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -150,9 +161,24 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.final_softcap = arch.final_logit_softcapping
+        if arch.is_gemma:  # Gemma 2/3: models/gemma.py
+            from pdserve.models import gemma
+
+            self.layers = nn.ModuleList(gemma.GemmaDecoderLayer(arch, i)
+                                        for i in range(arch.num_hidden_layers))
+            self.norm = gemma.GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = Rotary(arch)
+        # Gemma 3: sliding-window layers have their own rotary embedding.
+        self.local_rotary = None
+        if arch.local_rope_theta is not None:
+            self.local_rotary = Rotary(dataclasses.replace(
+                arch, rope_theta=arch.local_rope_theta, rope_scaling=arch.local_rope_scaling))
+        self.layer_is_local = [self.local_rotary is not None and arch.layer_window(i) is not None
+                               for i in range(arch.num_hidden_layers)]
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
 
@@ -160,16 +186,25 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,); kv_cache: (layers, 2, blocks, block_size, kvh, d)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        if self.arch.is_gemma:
+            from pdserve.models.gemma import embedding_scale
+
+            x = x * embedding_scale(self.arch, x.dtype).to(x.device)
         cos_sin = self.rotary.cos_sin(positions)
+        local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, kv_cache[i], meta)
+            x = layer(x, local if self.layer_is_local[i] else cos_sin, kv_cache[i], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in float32."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def pack_for_cpu(self) -> None:
         """Once the weights are loaded: every projection also in oneDNN's packed layout when

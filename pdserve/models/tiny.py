@@ -1,4 +1,5 @@
-"""Write a tiny, random Llama/Qwen2/Qwen3/Phi-3 checkpoint (real SmolLM2 tokenizer) for tests.
+"""Write a tiny, random Llama/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 checkpoint (real SmolLM2
+tokenizer) for tests.
 
 Usage: python -m pdserve.models.tiny PATH
 """
@@ -23,7 +24,8 @@ _INIT_STD = 0.2
 
 
 def _build_config(architecture: str, tok: Any, kw: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     common = dict(
         vocab_size=len(tok),
@@ -50,6 +52,28 @@ def _build_config(architecture: str, tok: Any, kw: dict[str, Any]) -> Any:
                           attention_bias=kw["attention_bias"], **common)
     elif architecture == "Phi3ForCausalLM":
         cfg = Phi3Config(rope_scaling=None, sliding_window=None, **common)
+    elif architecture == "Gemma2ForCausalLM":
+        head_dim = kw["head_dim"] or kw["hidden_size"] // kw["num_attention_heads"]
+        # Small soft-caps and a query_pre_attn_scalar other than head_dim, so that each of
+        # them changes the logits.
+        cfg = Gemma2Config(head_dim=head_dim, query_pre_attn_scalar=head_dim + 8,
+                           sliding_window=kw["sliding_window"] or 8, attn_logit_softcapping=2.0,
+                           final_logit_softcapping=5.0, hidden_activation="gelu_pytorch_tanh",
+                           **common)
+    elif architecture == "Gemma3ForCausalLM":
+        head_dim = kw["head_dim"] or kw["hidden_size"] // kw["num_attention_heads"]
+        layers = kw["num_hidden_layers"]
+        # Full attention every third layer (the last one), a linearly scaled rotary embedding
+        # there and a different base on the sliding layers, so that each changes the logits.
+        cfg = Gemma3TextConfig(
+            head_dim=head_dim, query_pre_attn_scalar=head_dim + 8,
+            sliding_window=kw["sliding_window"] or 8, hidden_activation="gelu_pytorch_tanh",
+            layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                         for i in range(layers)],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+            **common)
     else:
         raise ValueError(f"model: tiny architecture {architecture!r} is not supported")
     cfg.architectures = [architecture]
@@ -70,6 +94,7 @@ def write_tiny_llama(
     attention_bias: bool = False,
     architecture: str = "LlamaForCausalLM",
     head_dim: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random float32 HF checkpoint with the SmolLM2 tokenizer to `path`; return it.
 
@@ -88,18 +113,22 @@ def write_tiny_llama(
     )
     if head_dim is not None:  # Qwen3: a head size other than hidden / heads
         kw["head_dim"] = head_dim
+    if sliding_window is not None:  # Gemma 2/3 (default 8)
+        kw["sliding_window"] = sliding_window
     marker = path / _MARKER
     if marker.is_file() and json.loads(marker.read_text()) == kw and (path / "model.safetensors").is_file():
         return path
 
     tok = load_tokenizer(resolve_model(DEFAULT_MODEL))
-    cfg = _build_config(architecture, tok, {"head_dim": None, **kw})
+    cfg = _build_config(architecture, tok, {"head_dim": None, "sliding_window": None, **kw})
+    gemma = architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # non-trivial norm weights catch loading bugs
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                # (Gemma's norms scale by 1 + weight: weights around 0 there)
+                p.copy_(float(not gemma) + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):  # HF zero-inits biases; make them matter
                 p.copy_(_INIT_STD * torch.randn_like(p))
     model.generation_config = GenerationConfig(
