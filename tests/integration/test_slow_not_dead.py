@@ -8,7 +8,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-CHUNK = ("--max-num-batched-tokens", "8")  # a long prompt takes hundreds of steps
+CHUNK = ("--max-num-batched-tokens", "4")  # a long prompt takes hundreds of steps
 PROMPT = [100 + (i * 7) % 5000 for i in range(1900)]
 
 
@@ -17,7 +17,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
     spec = ClusterSpec(model=str(tiny_model_dir), connector="shm", grpc_port=0,
                        disagg_threshold=16, kv_cache_memory_bytes=16 << 20,
                        startup_timeout_s=90, instance_args=CHUNK,
-                       router_args=("--prefill-timeout-s", "0.3"),
+                       router_args=("--prefill-timeout-s", "0.05"),
                        log_dir=str(tmp_path_factory.mktemp("slow")))
     with Cluster(spec) as c:
         yield c
