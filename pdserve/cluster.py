@@ -119,9 +119,16 @@ def _dial_host(host: str) -> str:
 
 
 def _die_with_parent() -> Callable[[], None]:
-    """preexec_fn: the child gets SIGTERM when the process that started it dies."""
+    """preexec_fn: the child gets SIGTERM when the process that started it dies, including
+    when it died between the fork and this call (then the child's parent is no longer it)."""
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: nothing to load after it
-    return lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent = os.getpid()
+
+    def arm() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
 
 
 class Cluster:
