@@ -25,9 +25,13 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    # vLLM's extra fields
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
 
-_FIELDS = ("input", "dimensions", "encoding_format", "model", "prompt")
+_FIELDS = ("input", "dimensions", "encoding_format", "model", "prompt", "normalize",
+           "truncate_prompt_tokens")
 
 
 def _inputs(ctx: ServingContext, value) -> list[list[int]]:
@@ -54,11 +58,14 @@ def _encode(embedding: list[float], fmt: str) -> list[float] | str:
 
 
 async def create_embeddings(ctx: ServingContext, req: EmbeddingRequest) -> dict:
-    prompts = _inputs(ctx, req.input)
     try:
-        pooling = PoolingParams(dimensions=req.dimensions)
+        pooling = PoolingParams(req.normalize, req.dimensions, req.truncate_prompt_tokens)
+        # truncated here, so usage counts the tokens embedded
+        prompts = [pooling.truncate_prompt(ids, ctx.max_model_len)
+                   for ids in _inputs(ctx, req.input)]
     except ValueError as e:
-        raise bad_request(str(e), "dimensions") from e
+        field = str(e).replace(":", " ").split(" ", 1)[0]
+        raise bad_request(str(e), field if field in _FIELDS else None) from e
     base = f"embd-{uuid.uuid4().hex}"
     try:
         embeddings = await asyncio.gather(*(

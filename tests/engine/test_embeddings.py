@@ -174,7 +174,20 @@ def test_http_embeddings_float_and_base64(client, tiny_model_dir, hf_tiny, tiny_
     assert r.status_code == 200 and len(r.json()["data"]) == 2
 
 
+def test_http_embeddings_normalize_and_truncate(client, hf_tiny, tiny_llm):
+    """vLLM's extra fields: the raw last hidden state of the prompt's last 5 tokens."""
+    ids = ids_of(tiny_llm, LONG)
+    r = client.post("/v1/embeddings", json={"input": LONG, "normalize": False,
+                                            "truncate_prompt_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 5  # the tokens embedded
+    ref = hf_last_hidden(hf_tiny, ids[-5:])
+    assert torch.allclose(torch.tensor(r.json()["data"][0]["embedding"]), ref, atol=1e-4)
+
+
 @pytest.mark.parametrize("body, param", [
+    ({"input": SHORT, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": SHORT, "truncate_prompt_tokens": 10 ** 7}, "truncate_prompt_tokens"),
     ({"input": SHORT, "dimensions": 0}, "dimensions"),
     ({"input": SHORT, "dimensions": 100000}, "dimensions"),
     ({"input": []}, "input"),
