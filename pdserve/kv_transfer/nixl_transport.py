@@ -1,17 +1,20 @@
 """KV transport over NIXL agents (UCX backend): one-sided READs of registered memory.
 
-Producer: registers its cache (DRAM, or VRAM for a CUDA cache) with a NIXL agent and publishes
-the agent metadata plus the cache's base address. Consumer: loads that metadata once
-(`add_remote_agent`), registers its own cache, and for each call builds one descriptor per
-(plane, run of consecutive blocks) on both sides and READs them in a single transfer request.
+Each transport has two agents. The reading agent registers this engine's whole cache, the local
+side of every READ. The serving agent (started by `serve()`) registers nothing up front: it
+registers a lease's blocks only when a reader presents that lease's token, and deregisters them
+when the lease ends (nixl_leases.py). Its descriptor carries only its connection info.
+A read: load the producer's connection info once, ask for the lease's registration (one
+notification each way), then build one descriptor per (plane, run of consecutive blocks) on both
+sides and READ them in a single transfer request.
 
 NIXL's own progress thread busy-polls (it takes a whole core), so agents run without it: the
-consumer drives progress while it polls its transfer, and a serving agent gets a light Python
+consumer drives progress while it polls its transfer, and the serving agent gets a light Python
 thread that calls `get_new_notifs()` every `poll_interval_s` (UCX-over-TCP peers need the target
 to progress; intra-host CMA reads do not).
 
-Descriptor extra keys: {"agent_name": str, "agent_metadata": base64 str, "base_addr": int,
-"device_id": int, "mem_type": "DRAM"|"VRAM"}.
+Descriptor extra keys: {"agent_name": str, "agent_metadata": base64 str (connection info only),
+"base_addr": int, "device_id": int, "mem_type": "DRAM"|"VRAM"}.
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any
 
-import numpy as np
 import torch
 
 from pdserve.kv_transfer.block_runs import BlockRun
 from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.nixl_leases import LeaseServer, block_descs, lease_request, parse_reply
 from pdserve.kv_transfer.transport import KVLayout, KVTransport
 
 
@@ -52,19 +57,25 @@ class NixlTransport(KVTransport):
     def __init__(self, engine_id: str, timeout_s: float = 10.0, backends: tuple[str, ...] = ("UCX",),
                  poll_interval_s: float = 0.001) -> None:
         super().__init__(engine_id, timeout_s)
-        api = _import_nixl()
+        self._api = _import_nixl()
+        self._backends = list(backends)
         self.agent_name = f"{self.engine_id}-{uuid.uuid4().hex[:12]}"
         self.poll_interval_s = float(poll_interval_s)
-        config = api.nixl_agent_config(enable_prog_thread=False, backends=list(backends),
-                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        try:
-            self._agent = api.nixl_agent(self.agent_name, config)
-        except Exception as e:
-            raise KVTransferError(f"cannot create NIXL agent {self.agent_name!r}: {e}") from e
+        self._agent = self._new_agent(self.agent_name)
         self._reg_descs: Any = None
         self._remotes: dict[str, str] = {}  # descriptor agent_name -> name returned by NIXL
-        self._stop = threading.Event()
-        self._poller: threading.Thread | None = None
+        self._server: LeaseServer | None = None
+        self._serve_lock = threading.Lock()
+        self._descriptor_cache: dict[str, Any] | None = None
+
+    def _new_agent(self, name: str) -> Any:
+        config = self._api.nixl_agent_config(
+            enable_prog_thread=False, backends=self._backends,
+            sync_mode=self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        try:
+            return self._api.nixl_agent(name, config)
+        except Exception as e:
+            raise KVTransferError(f"cannot create NIXL agent {name!r}: {e}") from e
 
     def allocate_kv_cache(self, layout: KVLayout, device: str | torch.device = "cpu") -> torch.Tensor:
         if self._kv_cache is not None:
@@ -83,20 +94,24 @@ class NixlTransport(KVTransport):
         if self._closed:
             raise KVTransferError("nixl transport is closed")
         cache = self.kv_cache
-        if self._poller is None:
-            self._poller = threading.Thread(target=self._progress_loop, daemon=True,
-                                            name=f"kv-nixl-progress-{self.engine_id}")
-            self._poller.start()
-        metadata = self._agent.get_agent_metadata()
-        return self._descriptor(agent_name=self.agent_name,
-                                agent_metadata=base64.b64encode(metadata).decode("ascii"),
-                                base_addr=cache.data_ptr(), device_id=max(cache.get_device(), 0),
-                                mem_type=_mem_type(cache))
+        with self._serve_lock:
+            if self._descriptor_cache is None:
+                name = f"{self.agent_name}-serve"
+                self._server = LeaseServer(
+                    self._new_agent(name), self._api, cache.data_ptr(), self.layout,
+                    max(cache.get_device(), 0), _mem_type(cache), self.check_grant,
+                    self.poll_interval_s, name=f"kv-nixl-serve-{self.engine_id}")
+                metadata = self._server.connection_metadata()
+                self._descriptor_cache = self._descriptor(
+                    agent_name=name, agent_metadata=base64.b64encode(metadata).decode("ascii"),
+                    base_addr=cache.data_ptr(), device_id=max(cache.get_device(), 0),
+                    mem_type=_mem_type(cache))
+            return self._descriptor_cache
 
-    def _progress_loop(self) -> None:
-        while not self._stop.wait(self.poll_interval_s):
-            with suppress(Exception):  # a dying peer must not kill the server
-                self._agent.get_new_notifs()  # progresses the UCX worker for remote peers
+    def revoke(self, lease_id: str) -> None:
+        super().revoke(lease_id)
+        if self._server is not None:
+            self._server.revoke(lease_id)
 
     # ------------------------------------------------------------------ consumer
     def _read_runs(self, remote: dict[str, Any], remote_layout: KVLayout, runs: list[BlockRun],
@@ -108,22 +123,44 @@ class NixlTransport(KVTransport):
             raise KVTransferError(f"malformed nixl descriptor: missing/invalid {e}") from e
         peer = self._remote_name(remote)
         cache = self.kv_cache
-        local = _descs(cache.data_ptr(), self.layout, runs, use_remote=False,
-                       device_id=max(cache.get_device(), 0))
-        far = _descs(base, remote_layout, runs, use_remote=True, device_id=dev)
+        local = block_descs(cache.data_ptr(), self.layout, runs, use_remote=False,
+                            device_id=max(cache.get_device(), 0))
+        far = block_descs(base, remote_layout, runs, use_remote=True, device_id=dev)
         handle = None
         try:
+            blocks = [r.remote_start + i for r in runs for i in range(r.count)]
+            self._agent.add_remote_agent(self._lease_metadata(peer, lease, blocks))
             handle = self._agent.initialize_xfer(
                 "READ", self._agent.get_xfer_descs(local, _mem_type(cache)),
                 self._agent.get_xfer_descs(far, mem), peer)
             self._wait(handle, self._agent.transfer(handle), peer)
         except Exception as e:  # nixl raises its own binding errors (e.g. remote disconnect)
-            self._release(handle)
-            self._forget(remote)  # reload the peer's metadata on the next try
             if isinstance(e, KVTransferError):
                 raise
             raise KVTransferError(f"NIXL read from {peer!r} failed: {type(e).__name__}: {e}") from e
-        self._release(handle)
+        finally:
+            self._release(handle)
+            # Forget this lease's registration: the next read asks for its own.
+            self._forget(remote)
+
+    def _lease_metadata(self, peer: str, lease: tuple[str, str], blocks: Sequence[int]) -> bytes:
+        """Ask the producer for the registration of `blocks` under `lease`; its metadata."""
+        nonce = secrets.token_hex(8)
+        reply_to = self._agent.get_partial_agent_metadata(
+            self._api.nixlBind.nixlRegDList(self._agent.nixl_mems["DRAM"], []),
+            inc_conn_info=True, backends=["UCX"])
+        self._agent.send_notif(peer, lease_request(nonce, lease, blocks, reply_to))
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        while time.monotonic() < deadline:
+            for message in self._agent.get_new_notifs().get(peer, []):
+                metadata = parse_reply(message, nonce)
+                if metadata is not None:
+                    return metadata
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-5, 1e-3)
+        raise KVTransferError(f"the nixl producer {peer!r} did not answer the lease request "
+                              f"within {self.timeout_s:.1f}s")
 
     def _release(self, handle: Any) -> None:
         if handle is not None:
@@ -167,9 +204,9 @@ class NixlTransport(KVTransport):
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        if self._poller is not None:
-            self._poller.join(timeout=2.0)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         for key in list(self._remotes):
             self._forget({"agent_name": key})
         if self._reg_descs is not None:
@@ -182,18 +219,3 @@ class NixlTransport(KVTransport):
 
 def _mem_type(t: torch.Tensor) -> str:
     return "DRAM" if t.device.type == "cpu" else "VRAM"
-
-
-def _descs(base: int, layout: KVLayout, runs: list[BlockRun], use_remote: bool,
-           device_id: int) -> np.ndarray:
-    """(planes * runs, 3) uint64 rows (addr, len, device): one per plane and run, plane-major."""
-    chunk = layout.chunk_bytes
-    starts = np.array([r.remote_start if use_remote else r.local_start for r in runs], dtype=np.uint64)
-    counts = np.array([r.count for r in runs], dtype=np.uint64)
-    planes = np.arange(layout.num_planes, dtype=np.uint64)[:, None]  # (planes, 1)
-    addr = base + (planes * layout.num_blocks + starts[None, :]) * chunk  # (planes, runs)
-    out = np.empty((addr.size, 3), dtype=np.uint64)
-    out[:, 0] = addr.reshape(-1)
-    out[:, 1] = np.broadcast_to(counts * chunk, addr.shape).reshape(-1)
-    out[:, 2] = device_id
-    return out

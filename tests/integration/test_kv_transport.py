@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gc
 import json
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,7 +138,10 @@ def test_transport_contract(kind: str, dtype: str, ending: str) -> None:
             assert torch.equal(got[:, :, [0, 1]], want[:, :, [1, 2]])
             if kind == "tcp":
                 check_tcp_server_rejects_bad_requests(producer)
-                check_tcp_serves_only_live_leases(producer, dec)
+            if kind == "nixl":
+                check_nixl_descriptor_exposes_no_memory(producer)
+            if kind in ("tcp", "nixl"):
+                check_serves_only_live_leases(producer, dec)
             assert producer.proc.poll() is None
 
             if ending == "close":
@@ -212,9 +217,10 @@ def check_tcp_server_rejects_bad_requests(producer: Producer) -> None:
         assert status == 1 and b"bad request" in recv_exact(s, length)
 
 
-def check_tcp_serves_only_live_leases(producer: Producer, dec) -> None:
-    """Prompt theft: whoever can reach the port gets no block without the lease's token,
-    none outside the lease, and none once the lease is revoked."""
+def check_serves_only_live_leases(producer: Producer, dec) -> None:
+    """Prompt theft: whoever can reach the producer gets no block without the lease's token,
+    none outside the lease, and none once the lease is revoked (tcp: per read; nixl: no
+    registration is made or kept for them)."""
     desc = producer.descriptor
     for lease, ids in [(("", ""), [1]), (("all", "guess"), [1]), (("small", producer.lease[1]), [1]),
                        (producer.small_lease, [1, 3])]:
@@ -227,6 +233,28 @@ def check_tcp_serves_only_live_leases(producer: Producer, dec) -> None:
         dec.read_blocks(desc, [1, 2], [7, 8], producer.small_lease)
     assert dec.read_blocks(desc, [1, 2], [7, 8], producer.lease) > 0  # the other lease lives
     dec.kv_cache[:, :, [7, 8]] = 0
+
+
+def check_nixl_descriptor_exposes_no_memory(producer: Producer) -> None:
+    """A rogue NIXL agent that loads the producer's published metadata finds no registered
+    memory to READ: the producer registers blocks only for a reader with a lease's token."""
+    from nixl import _api
+
+    desc = producer.descriptor
+    rogue = _api.nixl_agent("rogue", _api.nixl_agent_config(enable_prog_thread=False,
+                                                            backends=["UCX"]))
+    sink = torch.zeros(KVLayout(**desc["layout"]).block_bytes, dtype=torch.uint8)
+    rogue.register_memory(sink)
+    peer = rogue.add_remote_agent(base64.b64decode(desc["agent_metadata"]))
+    peer = peer.decode() if isinstance(peer, bytes) else peer
+    chunk = KVLayout(**desc["layout"]).chunk_bytes
+    local = rogue.get_xfer_descs(np.array([[sink.data_ptr(), chunk, 0]], dtype=np.uint64), "DRAM")
+    far = rogue.get_xfer_descs(np.array([[desc["base_addr"] + chunk, chunk, 0]],
+                                        dtype=np.uint64), "DRAM")
+    with pytest.raises(Exception, match="NOT_FOUND"):
+        rogue.initialize_xfer("READ", local, far, peer)
+    assert not sink.any()
+    rogue.remove_remote_agent(peer)
 
 
 def test_contract_errors_without_processes() -> None:
