@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Sequence
 
 _IOV_BATCH = 512  # well under IOV_MAX (1024 on Linux)
@@ -16,8 +17,12 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Send every byte of `views` (1-D, format "B"), in order, via sendmsg."""
+    """Send every byte of `views` (1-D, format "B"), in order, via sendmsg (TLS: sendall)."""
     pending = [v for v in views if v.nbytes]
+    if isinstance(sock, ssl.SSLSocket):  # no scatter/gather through TLS
+        for view in pending:
+            sock.sendall(view)
+        return
     i = 0
     while i < len(pending):
         sent = sock.sendmsg(pending[i:i + _IOV_BATCH])
@@ -29,7 +34,9 @@ def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     pending = [v for v in views if v.nbytes]
     i = 0
     while i < len(pending):
-        if len(pending) - i == 1:  # common case: one big buffer
+        if isinstance(sock, ssl.SSLSocket):  # TLS: no flags, no scatter/gather
+            got = sock.recv_into(pending[i], pending[i].nbytes)
+        elif len(pending) - i == 1:  # common case: one big buffer
             got = sock.recv_into(pending[i], pending[i].nbytes, socket.MSG_WAITALL)
         else:
             got = sock.recvmsg_into(pending[i:i + _IOV_BATCH])[0]

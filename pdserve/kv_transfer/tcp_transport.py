@@ -6,7 +6,10 @@ producer; it receives straight into its own cache's block ranges (recvmsg_into),
 sees no intermediate copy.
 
 Wire format (big-endian). Request: "!4sBI" (b"PDKV", op, payload_len) + payload;
-  op HELLO=1: payload = producer engine_id (utf-8), checked once per connection;
+  op HELLO=1: payload = producer engine_id (utf-8), checked once per connection; the reply's
+    payload is a 32-byte challenge when the producer has a cluster secret, else empty;
+  op AUTH=3: payload = HMAC-SHA256(cluster secret, challenge + engine_id); until it matches
+    (compared in constant time), a producer with a secret serves no READ;
   op READ=2: payload = "!HH" (lease id length, token length), the lease id and its token
     (utf-8), then n uint32 block ids. Served only if the token is the live grant of that
     lease and the ids are all in it (KVTransport.grant): no lease, no bytes.
@@ -14,11 +17,17 @@ Reply: "!BQ" (status 0=ok/1=error, payload_len) + payload (error: utf-8 message)
 READ payload order: for plane p in 0..layers*2-1 (p = layer*2 + k/v), for each id in request
 order, that block's chunk of that plane.
 
+With `tls` (socket_tls.SocketTls) every connection is mutual TLS: the producer accepts only
+readers presenting a certificate of the cluster's CA, and readers check the producer's.
+
 Descriptor extra keys: {"host": str, "port": int}.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import socket
 import struct
 import threading
@@ -29,10 +38,11 @@ import torch
 from pdserve.kv_transfer.block_runs import BlockRun, check_block_ids, remote_runs
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.socket_io import recv_exact, recv_into_views, send_views
+from pdserve.kv_transfer.socket_tls import SocketTls
 from pdserve.kv_transfer.transport import KVLayout, KVTransport, plane_bytes, zeroed_kv_cache
 
 MAGIC = b"PDKV"
-OP_HELLO, OP_READ = 1, 2
+OP_HELLO, OP_READ, OP_AUTH = 1, 2, 3
 REQ = struct.Struct("!4sBI")
 REPLY = struct.Struct("!BQ")
 MAX_REQUEST_BYTES = 1 << 24
@@ -53,6 +63,11 @@ def _parse_read(op: int, payload: bytes) -> tuple[str, str, list[int]]:
     return lease_id, token, ids
 
 
+def _proof(secret: bytes, challenge: bytes, engine_id: str) -> bytes:
+    """A reader's answer to a producer's challenge: HMAC-SHA256 over it and the engine id."""
+    return hmac.new(secret, challenge + engine_id.encode(), hashlib.sha256).digest()
+
+
 def run_views(cache: torch.Tensor, runs: list[tuple[int, int]]) -> list[memoryview]:
     """Byte views of a CPU cache, plane-major: for each plane, for each (start, count) run."""
     planes = plane_bytes(cache)  # (planes, blocks, chunk_bytes)
@@ -69,10 +84,15 @@ class TcpTransport(KVTransport):
     kind = "tcp"
 
     def __init__(self, engine_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-                 port: int = 0, advertise_host: str | None = None) -> None:
+                 port: int = 0, advertise_host: str | None = None,
+                 tls: SocketTls | None = None, cluster_secret: str | None = None) -> None:
         """Serve on host:port (port 0: a free one); the descriptor names `advertise_host`
-        (default: host) so a server bound to 0.0.0.0 can publish a routable address."""
+        (default: host) so a server bound to 0.0.0.0 can publish a routable address. With
+        `tls`, serve and read over mutual TLS only; with `cluster_secret`, serve only readers
+        that prove they hold it, and prove it to producers that ask."""
         super().__init__(engine_id, timeout_s)
+        self.tls = tls
+        self._secret = cluster_secret.encode() if cluster_secret else None
         self.host, self.port = host, int(port)
         self.advertise_host = advertise_host or host
         self._server: socket.socket | None = None
@@ -124,6 +144,10 @@ class TcpTransport(KVTransport):
     def _serve_conn(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            if self.tls is not None:
+                conn = self._wrap_accepted(conn)
+            challenge = b""  # set by HELLO when this producer has a secret
+            authed = self._secret is None
             while not self._stop.is_set():
                 conn.settimeout(None)  # idle until the next request; close() shuts us down
                 head = recv_exact(conn, REQ.size)
@@ -132,7 +156,21 @@ class TcpTransport(KVTransport):
                 if magic != MAGIC or length > MAX_REQUEST_BYTES:
                     self._reply_error(conn, f"bad request frame (magic={magic!r}, length={length})")
                     return
-                self._handle(conn, op, recv_exact(conn, length))
+                payload = recv_exact(conn, length)
+                if op == OP_HELLO:
+                    challenge = secrets.token_bytes(32) if self._secret else b""
+                    self._hello(conn, payload, challenge)
+                elif op == OP_AUTH:
+                    authed = bool(challenge) and hmac.compare_digest(
+                        payload, _proof(self._secret or b"", challenge, self.engine_id))
+                    if not authed:
+                        return self._reply_error(conn, "cluster secret proof refused")
+                    conn.sendall(REPLY.pack(0, 0))
+                elif not authed:
+                    return self._reply_error(conn, "this producer needs the cluster secret: "
+                                                   "HELLO and AUTH first")
+                else:
+                    self._handle(conn, op, payload)
         except (OSError, ConnectionError):
             pass  # peer went away, timed out, or we are closing
         finally:
@@ -140,12 +178,24 @@ class TcpTransport(KVTransport):
                 self._conns.discard(conn)
             conn.close()
 
+    def _wrap_accepted(self, raw: socket.socket) -> socket.socket:
+        """The TLS handshake, bounded by timeout_s; OSError (ssl.SSLError) if it fails."""
+        assert self.tls is not None
+        raw.settimeout(self.timeout_s)
+        with self._conns_lock:
+            self._conns.discard(raw)
+        conn = self.tls.server.wrap_socket(raw, server_side=True)
+        with self._conns_lock:
+            self._conns.add(conn)
+        return conn
+
+    def _hello(self, conn: socket.socket, payload: bytes, challenge: bytes) -> None:
+        want = payload.decode(errors="replace")
+        if want != self.engine_id:
+            return self._reply_error(conn, f"this is engine {self.engine_id!r}, not {want!r}")
+        conn.sendall(REPLY.pack(0, len(challenge)) + challenge)
+
     def _handle(self, conn: socket.socket, op: int, payload: bytes) -> None:
-        if op == OP_HELLO:
-            want = payload.decode(errors="replace")
-            if want != self.engine_id:
-                return self._reply_error(conn, f"this is engine {self.engine_id!r}, not {want!r}")
-            return conn.sendall(REPLY.pack(0, 0))
         try:
             lease_id, token, ids = _parse_read(op, payload)
             self.check_grant(lease_id, token, ids)
@@ -239,13 +289,25 @@ class TcpTransport(KVTransport):
         try:
             conn = socket.create_connection((host, port), timeout=self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                conn = self.tls.client.wrap_socket(conn, server_hostname=host)
             hello = engine_id.encode()
             conn.sendall(REQ.pack(MAGIC, OP_HELLO, len(hello)) + hello)
             status, length = REPLY.unpack(recv_exact(conn, REPLY.size))
+            body = recv_exact(conn, min(length, MAX_REQUEST_BYTES))
+            if status == 0 and body:  # a challenge: prove we hold the cluster secret
+                if self._secret is None:
+                    conn.close()
+                    raise KVTransferError(f"producer {engine_id!r} at {host}:{port} needs the "
+                                          "cluster secret, and this engine has none")
+                proof = _proof(self._secret, body, engine_id)
+                conn.sendall(REQ.pack(MAGIC, OP_AUTH, len(proof)) + proof)
+                status, length = REPLY.unpack(recv_exact(conn, REPLY.size))
+                body = recv_exact(conn, min(length, MAX_REQUEST_BYTES))
             if status != 0:
-                message = recv_exact(conn, length).decode(errors="replace")
                 conn.close()
-                raise KVTransferError(f"tcp handshake with {host}:{port} refused: {message}")
+                raise KVTransferError(f"tcp handshake with {host}:{port} refused: "
+                                      f"{body.decode(errors='replace')}")
         except (OSError, ConnectionError) as e:
             raise KVTransferError(f"cannot reach producer {engine_id!r} at {host}:{port}: "
                                   f"{type(e).__name__}: {e}") from e

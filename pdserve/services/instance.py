@@ -44,7 +44,7 @@ class Instance:
                                  credentials=credentials)
         self.address = self.server.address
         self.connector_kind = connector_kind
-        self.connector = self._make_connector(connector_kind, host)
+        self.connector = self._make_connector(connector_kind, host, credentials)
         # KV events go to Redis when given (shared by every router), else to the router.
         self.index = (create_prefix_index(PrefixIndexConfig("redis", redis_url))
                       if redis_url else None)
@@ -58,14 +58,20 @@ class Instance:
         self.router = router
         self._stop = threading.Event()
 
-    def _make_connector(self, kind: str, host: str) -> KVConnector:
+    def _make_connector(self, kind: str, host: str, credentials: Credentials) -> KVConnector:
         from pdserve.kv_transfer import make_transport
         from pdserve.kv_transfer.connector import KVConnector, TransportConnector
+        from pdserve.kv_transfer.socket_tls import SocketTls
 
         if kind == "none":
             return KVConnector()
-        # The tcp transport serves KV on the instance's own host, so peers can dial it.
-        options = {"host": host} if kind == "tcp" else {}
+        options = {}
+        if kind == "tcp":  # served on the instance's own host, so peers can dial it
+            options["host"] = host
+            options["cluster_secret"] = credentials.cluster_secret
+            if credentials.tls is not None:  # the gRPC plane's certificates, mutual TLS too
+                tls = credentials.tls
+                options["tls"] = SocketTls.from_pem(tls.cert, tls.key, tls.ca)
         transport = make_transport(kind, self.instance_id, **options)
         return TransportConnector(transport, on_loaded=self._release_remote)
 

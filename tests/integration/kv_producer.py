@@ -36,6 +36,10 @@ def main() -> None:
     kind, engine_id, layout_json, seed = sys.argv[1:5]
     options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     layout_dict = json.loads(layout_json)
+    if "tls" in options:  # {"cert", "key", "ca"}: PEM paths, as the --tls-*-file flags
+        from pdserve.kv_transfer.socket_tls import SocketTls
+        pem = {k: open(v, "rb").read() for k, v in options["tls"].items()}
+        options["tls"] = SocketTls.from_pem(pem["cert"], pem["key"], pem["ca"])
     transport = make_transport(kind, engine_id, **options)
     cache = transport.allocate_kv_cache(KVLayout.from_dict(layout_dict))
     cache.copy_(fill_cache(layout_dict, int(seed)))

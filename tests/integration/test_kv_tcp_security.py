@@ -1,0 +1,76 @@
+"""The tcp KV transport's connection checks, against a real producer process: mutual TLS with
+the cluster's certificates, and without them a proof of the cluster secret before any read."""
+
+import socket
+import struct
+
+import pytest
+import torch
+from test_kv_transport import LAYOUT, Producer, consumer
+from test_mtls import make_pki
+
+from pdserve.kv_transfer import KVTransferError
+from pdserve.kv_transfer.socket_tls import SocketTls
+from pdserve.kv_transfer.tcp_transport import LEASE, MAGIC, OP_HELLO, OP_READ, REPLY, REQ
+
+SECRET = "s" * 40
+
+LAYOUT_F32 = {**LAYOUT, "dtype": "float32"}
+
+
+def tls_of(pki: dict[str, str], trust: dict[str, str] | None = None) -> SocketTls:
+    """Contexts presenting `pki`'s certificate and trusting `trust`'s CA (default: its own)."""
+    pem = {k: open(v, "rb").read() for k, v in pki.items()}
+    return SocketTls.from_pem(pem["cert"], pem["key"], open((trust or pki)["ca"], "rb").read())
+
+
+def test_tcp_transport_over_mutual_tls(tmp_path):
+    pki, outsider = make_pki(tmp_path, "cluster"), make_pki(tmp_path, "outsider")
+    producer = Producer("tcp", LAYOUT_F32, seed=3, tls=pki)
+    try:
+        desc, want = producer.descriptor, producer.expected()
+        with consumer("tcp", LAYOUT_F32, timeout_s=3.0, tls=tls_of(pki)) as dec:
+            assert dec.read_blocks(desc, [3, 4, 9], [0, 1, 5], producer.lease) > 0
+            assert torch.equal(dec.kv_cache[:, :, [0, 1, 5]], want[:, :, [3, 4, 9]])
+        # plaintext; another CA (the reader refuses the producer); a reader whose certificate
+        # another CA signed but who trusts the cluster's (the producer refuses it)
+        for tls in (None, tls_of(outsider), tls_of(outsider, trust=pki)):
+            with consumer("tcp", LAYOUT_F32, timeout_s=3.0, tls=tls) as stranger:
+                with pytest.raises(KVTransferError):
+                    stranger.read_blocks(desc, [3], [0], producer.lease)
+                assert not stranger.kv_cache.any()  # not one byte, even with the lease token
+        assert producer.proc.poll() is None  # refused handshakes do not hurt the producer
+        with consumer("tcp", LAYOUT_F32, timeout_s=3.0, tls=tls_of(pki)) as dec:
+            assert dec.read_blocks(desc, [2], [2], producer.small_lease) > 0
+            assert torch.equal(dec.kv_cache[:, :, 2], want[:, :, 2])
+    finally:
+        producer.stop()
+
+
+def test_tcp_producer_with_a_secret_serves_only_readers_that_prove_it():
+    producer = Producer("tcp", LAYOUT_F32, seed=5, cluster_secret=SECRET)
+    try:
+        desc, want = producer.descriptor, producer.expected()
+        for secret, match in ((None, "needs the cluster secret"), ("t" * 40, "proof refused")):
+            with consumer("tcp", LAYOUT_F32, timeout_s=3.0, cluster_secret=secret) as stranger:
+                with pytest.raises(KVTransferError, match=match):
+                    stranger.read_blocks(desc, [3], [0], producer.lease)
+                assert not stranger.kv_cache.any()
+        # A raw client that skips the proof gets an error, not blocks, even with the token.
+        lease_id, token = (part.encode() for part in producer.lease)
+        with socket.create_connection((desc["host"], desc["port"]), timeout=5) as raw:
+            hello = desc["engine_id"].encode()
+            raw.sendall(REQ.pack(MAGIC, OP_HELLO, len(hello)) + hello)
+            status, length = REPLY.unpack(raw.recv(REPLY.size, socket.MSG_WAITALL))
+            assert status == 0 and length == 32  # a challenge
+            raw.recv(length, socket.MSG_WAITALL)
+            body = LEASE.pack(len(lease_id), len(token)) + lease_id + token + struct.pack("!I", 3)
+            raw.sendall(REQ.pack(MAGIC, OP_READ, len(body)) + body)
+            status, length = REPLY.unpack(raw.recv(REPLY.size, socket.MSG_WAITALL))
+            assert status == 1 and b"cluster secret" in raw.recv(length, socket.MSG_WAITALL)
+        with consumer("tcp", LAYOUT_F32, timeout_s=3.0, cluster_secret=SECRET) as dec:
+            assert dec.read_blocks(desc, [3, 4], [0, 1], producer.lease) > 0
+            assert torch.equal(dec.kv_cache[:, :, [0, 1]], want[:, :, [3, 4]])
+        assert producer.proc.poll() is None
+    finally:
+        producer.stop()
