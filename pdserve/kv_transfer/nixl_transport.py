@@ -5,7 +5,8 @@ side of every READ. The serving agent (started by `serve()`) registers nothing u
 registers a lease's blocks only when a reader presents that lease's token, and deregisters them
 when the lease ends (nixl_leases.py). Its descriptor carries only its connection info.
 A read: load the producer's connection info once, ask for the lease's registration (one
-notification each way), then build one descriptor per (plane, run of consecutive blocks) on both
+notification each way; the registrations a reader has loaded stay loaded, and a read that
+fails reloads the peer afresh), then build one descriptor per (plane, run of consecutive blocks) on both
 sides and READ them in a single transfer request.
 
 NIXL's own progress thread busy-polls (it takes a whole core), so agents run without it: the
@@ -135,13 +136,12 @@ class NixlTransport(KVTransport):
                 self._agent.get_xfer_descs(far, mem), peer)
             self._wait(handle, self._agent.transfer(handle), peer)
         except Exception as e:  # nixl raises its own binding errors (e.g. remote disconnect)
+            self._release(handle)
+            self._forget(remote)  # reload the peer's metadata on the next try
             if isinstance(e, KVTransferError):
                 raise
             raise KVTransferError(f"NIXL read from {peer!r} failed: {type(e).__name__}: {e}") from e
-        finally:
-            self._release(handle)
-            # Forget this lease's registration: the next read asks for its own.
-            self._forget(remote)
+        self._release(handle)
 
     def _lease_metadata(self, peer: str, lease: tuple[str, str], blocks: Sequence[int]) -> bytes:
         """Ask the producer for the registration of `blocks` under `lease`; its metadata."""
