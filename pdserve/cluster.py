@@ -120,11 +120,14 @@ def _dial_host(host: str) -> str:
 
 def _die_with_parent() -> Callable[[], None]:
     """preexec_fn: the child gets SIGTERM when the process that started it dies, including
-    when it died between the fork and this call (then the child's parent is no longer it)."""
+    when it died between the fork and this call (then the child's parent is no longer it).
+    SIGTERM goes back to its default action first: until exec, the child still has this
+    process's Python handler, which would swallow the signal."""
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: nothing to load after it
     parent = os.getpid()
 
     def arm() -> None:
+        libc.signal(signal.SIGTERM, 0)  # SIG_DFL
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGTERM)
