@@ -10,6 +10,7 @@ import sys
 from pdserve.cli_help import HelpFormatter, finish_help
 from pdserve.cpu_budget import add_cpu_args, apply_cpu_budget, cores_from_args
 from pdserve.engine.engine_args import EngineArgs
+from pdserve.parent_watch import watch_parent
 from pdserve.ports import PortInUse, check_bindable
 from pdserve.version import version
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command != "up":  # up's --cpu-cores are the pool it splits
+            watch_parent()  # a child of `pdserve up` stops with it
             apply_cpu_budget(cores_from_args(args))
         check_ports(args)
         return args.func(args)

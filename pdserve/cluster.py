@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.cpu_budget import format_cores, split_cores
 from pdserve.logging_setup import FORMATS, LEVELS
 from pdserve.models.loader import DEFAULT_MODEL
+from pdserve.parent_watch import PARENT_ENV
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
 
@@ -217,7 +218,7 @@ class Cluster:
         self.children.append(Child(name, role, address, proc, log_path))
 
     def _child_env(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         if self.spec.cluster_secret:
             env[SECRET_ENV] = self.spec.cluster_secret
         return env
