@@ -1,6 +1,7 @@
 """OpenAI's POST /v1/embeddings: one embedding per input (a text, or token ids), computed by
 the backend as a pooling request (the last token's final hidden state, see
-engine/pooling.py). Served over a local engine only; the router has no embedding call."""
+engine/pooling.py), by a local engine or, through the router (`Router.Embed`), by one
+instance of the cluster."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from pdserve.gateway.backend import (
     BackendStats,
     BackendTimeout,
     BackendUnavailable,
-    BackendUnsupported,
     Delta,
     DeltaStream,
     ModelInfo,
@@ -31,7 +30,7 @@ from pdserve.pooling_params import PoolingParams
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.sampling_params import SamplingParams
 from pdserve.services.auth import SECRET_ENV, Credentials
-from pdserve.services.convert import params_to_proto
+from pdserve.services.convert import params_to_proto, pooling_to_proto
 
 _ERRORS = {
     grpc.StatusCode.UNAVAILABLE: BackendUnavailable,
@@ -79,8 +78,13 @@ class RouterBackend(Backend):
 
     async def embed(self, request_id: str, prompt_ids: list[int],
                     pooling: PoolingParams) -> list[float]:
-        # NOTE: the router's gRPC API has no embedding call.
-        raise BackendUnsupported("embeddings: not served through the router yet")
+        req = router_pb2.EmbedRequest(request_id=request_id, pooling=pooling_to_proto(pooling))
+        req.token_ids.ids.extend(prompt_ids)
+        try:
+            resp = await self.stub.Embed(req, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise map_rpc_error(e) from None
+        return list(resp.embedding)
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> DeltaStream:

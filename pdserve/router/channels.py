@@ -44,6 +44,9 @@ class ChannelPool:
     def decode(self, address: str) -> engine_pb2_grpc.DecodeStub:
         return engine_pb2_grpc.DecodeStub(self.get(address))
 
+    def pooling(self, address: str) -> engine_pb2_grpc.PoolingStub:
+        return engine_pb2_grpc.PoolingStub(self.get(address))
+
     def close(self) -> None:
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}

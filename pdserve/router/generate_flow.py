@@ -25,6 +25,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2
 from pdserve.router.channels import ChannelPool
+from pdserve.router.prompts import prompt_ids
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.relay import Continuation, Relay
 from pdserve.router.request_log import RouterRequestLog
@@ -162,22 +163,14 @@ class GenerateFlow:
             params = params_from_proto(self.request.sampling)
         except ValueError as e:
             self._abort(Code.INVALID_ARGUMENT, str(e))
-        kind = self.request.WhichOneof("prompt")
-        if kind == "text":
-            ids = self.core.encode(self.request.text) if self.request.text else []
-        elif kind == "token_ids":
-            ids = list(self.request.token_ids.ids)
-        else:
-            self._abort(Code.INVALID_ARGUMENT, "prompt: set text or token_ids")
-        if not ids:
-            self._abort(Code.INVALID_ARGUMENT, f"prompt: must not be empty ({kind})")
+        try:
+            ids = prompt_ids(self.request, self.core.encode)
+        except ValueError as e:
+            self._abort(Code.INVALID_ARGUMENT, str(e))
         try:  # before routing: the prefix index and the instances see the same prompt
             ids = params.truncate_prompt(ids, self.config.max_model_len or 1 << 62)
         except ValueError as e:
             self._abort(Code.INVALID_ARGUMENT, f"sampling.{e}")
-        bad = next((t for t in ids if t < 0), None)
-        if bad is not None:
-            self._abort(Code.INVALID_ARGUMENT, f"prompt.token_ids: token id {bad} is negative")
         if self.log is not None:
             self.log.prompt_tokens = len(ids)
         self._check_caps(len(ids), params)

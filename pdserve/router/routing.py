@@ -31,6 +31,7 @@ class RouterConfig:
     disagg_threshold: int = 64  # uncached prompt tokens from which a prompt goes through P
     prefill_attempts: int = 2  # prefill instances tried before prefilling on D
     decode_attempts: int = 2  # decode instances tried while none has sent anything
+    embed_attempts: int = 2  # instances tried for an embedding
     # Times a request whose decode instance died mid-stream moves to another one, continuing
     # from the prompt plus the tokens the client has (n = 1 only).
     max_migrations: int = 2
@@ -55,9 +56,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.disagg_threshold < 0:
             raise ValueError(f"disagg_threshold must be >= 0, got {self.disagg_threshold}")
-        if self.prefill_attempts < 0 or self.decode_attempts < 1 or self.max_migrations < 0:
-            raise ValueError("prefill_attempts and max_migrations must be >= 0 and "
-                             "decode_attempts >= 1")
+        if self.prefill_attempts < 0 or self.max_migrations < 0:
+            raise ValueError("prefill_attempts and max_migrations must be >= 0")
+        if self.decode_attempts < 1 or self.embed_attempts < 1:
+            raise ValueError("decode_attempts and embed_attempts must be >= 1")
         if self.max_model_len < 0 or self.max_logprobs < -1:
             raise ValueError("max_model_len must be >= 0 and max_logprobs >= -1")
         for name in ("prefill_timeout_s", "request_timeout_s", "control_timeout_s", "ttl_s",
@@ -87,22 +89,37 @@ class Planner:
         self.config = config
         self.registry = registry
         self.prefix_matches = prefix_matches
-        # Separate pickers, so that decode picks do not shift the prefill tie rotation.
+        # Separate pickers, so that one kind of pick does not shift another's tie rotation.
         self.decode_picker = WeightedPicker.from_config(config.picker)
         self.prefill_picker = WeightedPicker.from_config(config.picker)
+        self.pooling_picker = WeightedPicker.from_config(config.picker)
 
     def plan(self, prompt_ids: Sequence[int], n: int) -> Plan:
         """Pick D; disaggregate when n == 1 and enough of the prompt is uncached on D."""
-        block_size = self.registry.block_size()
-        hashes = hash_blocks(prompt_ids, block_size)
-        matches = dict(self.prefix_matches(hashes)) if hashes else {}
-        request = RoutingRequest(len(prompt_ids), len(hashes), matches)
+        request = self.routing_request(prompt_ids)
         decode = self.pick_decode(request)
         if decode is None:
             raise NoDecodeInstance("no healthy decode instance")
-        uncached = uncached_tokens(len(prompt_ids), matches.get(decode.id, 0), block_size)
+        uncached = uncached_tokens(len(prompt_ids), request.prefix_matches.get(decode.id, 0),
+                                   self.registry.block_size())
         disaggregate = n == 1 and should_disaggregate(uncached, self.config.disagg_threshold)
         return Plan(decode, disaggregate, request)
+
+    def routing_request(self, prompt_ids: Sequence[int]) -> RoutingRequest:
+        """What scorers see of a prompt: its length, its blocks, who holds their prefix."""
+        hashes = hash_blocks(prompt_ids, self.registry.block_size())
+        matches = dict(self.prefix_matches(hashes)) if hashes else {}
+        return RoutingRequest(len(prompt_ids), len(hashes), matches)
+
+    def pick_pooling(self, request: RoutingRequest,
+                     exclude: Collection[str] = ()) -> Instance | None:
+        """Where an embedding is computed: the best live prefill instance (prompt compute
+        stays off the decode instances, as disaggregation keeps it), else the best decode."""
+        for role in ("prefill", "decode"):
+            found = [i for i in self.registry.live(role) if i.id not in exclude]
+            if found:
+                return self._pick(self.pooling_picker, request, found)
+        return None
 
     def pick_decode(self, request: RoutingRequest, exclude: Collection[str] = (),
                     connector: str = "") -> Instance | None:

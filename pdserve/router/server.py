@@ -1,13 +1,14 @@
-"""The router's gRPC server (`pdserve router`): Generate, Heartbeat, ListInstances, the KV
-event feed of its prefix index (PublishKVEvents, ResyncKVState), health and reflection.
+"""The router's gRPC server (`pdserve router`): Generate, Embed, Heartbeat, ListInstances,
+the KV event feed of its prefix index (PublishKVEvents, ResyncKVState), health and
+reflection.
 
     pdserve router --model M --grpc-port 50051 --prefill 127.0.0.1:7001 --decode 127.0.0.1:7002
 
 Instances given with --prefill/--decode are polled; others register with heartbeats (their
 `--router` flag). Instances started with `--router` also publish their KV events here, into
 an in-process prefix index; with --redis-url the router reads the shared Redis index instead
-(the instances then publish there). The request flow is in generate_flow.py, the routing
-decision in routing.py.
+(the instances then publish there). The request flows are in generate_flow.py and
+embed_flow.py, the routing decision in routing.py.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         from pdserve.router.generate_flow import GenerateFlow
 
         yield from GenerateFlow(self.core, request, context).run()
+
+    def Embed(self, request, context):
+        from pdserve.router.embed_flow import EmbedFlow
+
+        return EmbedFlow(self.core, request, context).run()
 
     def Heartbeat(self, request, context):
         try:

@@ -1,11 +1,11 @@
 """Who may call what over gRPC: a cluster secret for the internal plane, API keys for clients.
 
 Two surfaces, two credentials:
-- public (`Router.Generate`, `Router.ListInstances`): an API key, sent as
+- public (`Router.Generate`, `Router.Embed`, `Router.ListInstances`): an API key, sent as
   `authorization: Bearer KEY`, when the router has keys (the cluster secret is accepted too,
   so a gateway inside the cluster needs no key of its own);
-- internal (every other method: heartbeats, KV events and resync, Prefill, Decode, Release,
-  Abort, GetLoad): the cluster secret, sent as `x-pdserve-cluster-token`.
+- internal (every other method: heartbeats, KV events and resync, Prefill, Decode, Embed on
+  an instance, Release, Abort, GetLoad): the cluster secret, sent as `x-pdserve-cluster-token`.
 Health checks and reflection stay open (probes carry no credentials; reflection lists only
 method names). Comparisons are constant-time. With no secret configured the internal plane is
 open, as it has to be on a laptop; `pdserve up` always makes one.
@@ -34,7 +34,8 @@ from pdserve.services.tls import TlsFiles
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 API_KEY_ENV = "PDSERVE_API_KEY"
 TOKEN_HEADER = "x-pdserve-cluster-token"
-PUBLIC_METHODS = frozenset({"/pdserve.v1.Router/Generate", "/pdserve.v1.Router/ListInstances"})
+PUBLIC_METHODS = frozenset({"/pdserve.v1.Router/Generate", "/pdserve.v1.Router/Embed",
+                            "/pdserve.v1.Router/ListInstances"})
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 MIN_SECRET_CHARS = 16
 

@@ -6,6 +6,7 @@ import json
 
 from pdserve.kv_transfer.connector import KVHandle
 from pdserve.outputs import Logprob
+from pdserve.pooling_params import PoolingParams
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.sampling_params import SamplingParams
 from pdserve.structured_outputs import StructuredOutputsParams
@@ -48,6 +49,22 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     return msg
+
+
+_POOLING_FIELDS = ("normalize", "dimensions", "truncate_prompt_tokens")
+
+
+def pooling_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
+    """Proto -> PoolingParams; invalid values raise ValueError naming the field."""
+    try:
+        return PoolingParams(**{n: getattr(msg, n) for n in _POOLING_FIELDS if msg.HasField(n)})
+    except ValueError as e:
+        raise ValueError(f"pooling.{e}") from None
+
+
+def pooling_to_proto(p: PoolingParams) -> common_pb2.PoolingParams:
+    return common_pb2.PoolingParams(**{n: getattr(p, n) for n in _POOLING_FIELDS
+                                       if getattr(p, n) is not None})
 
 
 def structured_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams:

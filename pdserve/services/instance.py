@@ -1,5 +1,6 @@
 """One engine instance behind gRPC: the engine on its loop thread, its KV connector, load
-reporting, abort, and heartbeats to a router. The prefill and decode servers build on it."""
+reporting, abort, embeddings, and heartbeats to a router. The prefill and decode servers
+build on it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
 from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
 from pdserve.services.grpc_server import GrpcServer, load_message
 from pdserve.services.kv_event_publisher import KVEventPublisher, RouterSink
+from pdserve.services.pooling_server import register as register_pooling
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.connector import KVConnector, KVHandle
@@ -57,6 +59,7 @@ class Instance:
                           if sink is not None else None)
         self.router = router
         self._stop = threading.Event()
+        register_pooling(self)  # embeddings, in either role
 
     def _make_connector(self, kind: str, host: str, credentials: Credentials) -> KVConnector:
         from pdserve.kv_transfer import make_transport

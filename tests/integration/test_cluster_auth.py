@@ -72,6 +72,11 @@ def test_client_with_a_key_is_served_and_one_without_is_not(cluster, want):
     assert code_of(lambda: generate(cluster, [("authorization", "Bearer sk-guess")])) == DENIED
     listing = router_pb2.ListInstancesRequest()
     assert code_of(lambda: router(cluster).ListInstances(listing, timeout=5)) == DENIED
+    embed = router_pb2.EmbedRequest(token_ids=router_pb2.TokenIds(ids=PROMPT))
+    assert code_of(lambda: router(cluster).Embed(embed, timeout=30)) == DENIED
+    served = router(cluster).Embed(embed, timeout=30,
+                                   metadata=[("authorization", f"Bearer {API_KEY}")])
+    assert served.prompt_tokens == len(PROMPT) and served.instance_id == "prefill-0"
 
 
 def test_fake_instance_cannot_register(cluster, want):
@@ -105,6 +110,10 @@ def test_instances_refuse_calls_without_the_cluster_secret(cluster, want):
         request_id="d", prompt_token_ids=PROMPT, sampling=GREEDY), timeout=10))) == DENIED
     assert code_of(lambda: d.Abort(common_pb2.AbortRequest(request_id="x"), timeout=5)) \
         == DENIED
+    embed = engine_pb2.EmbedPromptRequest(request_id="e", prompt_token_ids=PROMPT)
+    for address in (prefill, decode):  # every instance's Pooling service is internal
+        pooling = engine_pb2_grpc.PoolingStub(grpc.insecure_channel(address))
+        assert code_of(lambda: pooling.Embed(embed, timeout=10)) == DENIED
     # Health probes stay open; a peer with the secret is served.
     for address in (prefill, decode, cluster.router_address):
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))

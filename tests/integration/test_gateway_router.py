@@ -7,6 +7,7 @@ import argparse
 import json
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -175,3 +176,68 @@ def test_beam_search_through_the_cluster(client, llm):
     out = client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=4, n=2,
                                     temperature=0, extra_body={"use_beam_search": True})
     assert [c.text for c in out.choices] == [b.text for b in want.sequences]
+
+
+def test_embeddings_through_the_cluster(client, llm, cluster):
+    """/v1/embeddings -> router -> an instance's Pooling service: the embeddings of
+    LLM.embed on a colocated engine; the router computes them on the prefill instance."""
+    import torch
+
+    from pdserve import PoolingParams
+    from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    prompts = [LONG_PROMPT, "Hi there"]
+    out = client.embeddings.create(model="tiny", input=prompts)
+    want = llm.embed(prompts, use_tqdm=False)
+    assert [d.index for d in out.data] == [0, 1]
+    for d, w in zip(out.data, want, strict=True):
+        assert torch.allclose(torch.tensor(d.embedding), torch.tensor(w.outputs.embedding),
+                              atol=1e-4)
+    assert out.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    cut = client.embeddings.create(model="tiny", input=LONG_PROMPT, dimensions=8)
+    [w8] = llm.embed(LONG_PROMPT, PoolingParams(dimensions=8), use_tqdm=False)
+    assert torch.allclose(torch.tensor(cut.data[0].embedding), torch.tensor(w8.outputs.embedding),
+                          atol=1e-4)
+    # Over gRPC: the instance that computed it, and the tokens embedded.
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+    resp = stub.Embed(router_pb2.EmbedRequest(
+        text=LONG_PROMPT, pooling=common_pb2.PoolingParams(truncate_prompt_tokens=5)), timeout=60)
+    [w5] = llm.embed(LONG_PROMPT, PoolingParams(truncate_prompt_tokens=5), use_tqdm=False)
+    assert resp.instance_id == "prefill-0" and resp.prompt_tokens == 5
+    assert torch.allclose(torch.tensor(list(resp.embedding)), torch.tensor(w5.outputs.embedding),
+                          atol=1e-4)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hello", "dimensions": 10**6}, "dimensions"),  # checked by the instance
+    ({"input": "hello", "dimensions": 0}, "dimensions"),
+    ({"input": [], "dimensions": 4}, "input"),
+    ({"input": [1, 10**7]}, "input"),
+])
+def test_bad_embedding_requests_are_400_through_the_cluster(gateway, body, param):
+    r = httpx.post(f"{gateway.url}/v1/embeddings", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("prompt, pooling, field", [
+    ({}, {}, "prompt"),
+    ({"token_ids": {"ids": []}}, {}, "prompt"),
+    ({"token_ids": {"ids": [5, -3]}}, {}, "prompt.token_ids"),
+    ({"token_ids": {"ids": list(range(10, 40))}}, {"dimensions": 0}, "pooling.dimensions"),
+    ({"token_ids": {"ids": list(range(10, 40))}}, {"truncate_prompt_tokens": -7},
+     "pooling.truncate_prompt_tokens"),
+    ({"token_ids": {"ids": list(range(10, 40))}}, {"dimensions": 10**6}, "dimensions"),
+    ({"token_ids": {"ids": [1] * 5000}}, {}, "prompt"),
+])
+def test_router_embed_invalid_arguments(cluster, prompt, pooling, field):
+    from google.protobuf.json_format import ParseDict
+
+    from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
+
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+    request = ParseDict({**prompt, "pooling": pooling}, router_pb2.EmbedRequest())
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(request, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field), e.value.details()

@@ -1,10 +1,15 @@
 """A slow prefill is not a dead instance: the router waits for it while it answers its
-liveness probe, instead of marking it down and prefilling elsewhere."""
+liveness probe, instead of marking it down and prefilling elsewhere. The same holds for an
+embedding; a frozen instance (no probe answer) is marked down and the embedding moves."""
+
+import os
+import signal
 
 import grpc
 import pytest
+import torch
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, PoolingParams, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -38,3 +43,31 @@ def test_prefill_longer_than_the_probe_interval_is_waited_for(cluster, tiny_mode
     want = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
         temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
     assert [t for m in msgs for t in m.token_ids] == want
+
+
+def test_embedding_is_waited_for_while_slow_and_moved_when_frozen(cluster, tiny_model_dir):
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+    llm = LLM(str(tiny_model_dir), kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=8)
+    fresh = [200 + (i * 11) % 5000 for i in range(700)]  # not in any prefix cache
+    slow_ids, moved_ids = fresh[:600], fresh[600:]
+    want = [llm.embed({"prompt_token_ids": ids}, PoolingParams(), use_tqdm=False)[0]
+            for ids in (slow_ids, moved_ids)]
+    # Slow (150 steps of 4 tokens), answering its probe: waited for on the prefill instance.
+    slow = stub.Embed(router_pb2.EmbedRequest(token_ids=router_pb2.TokenIds(ids=slow_ids)),
+                      timeout=300)
+    assert slow.instance_id == "prefill-0"
+    # Frozen: its probe goes unanswered, so the decode instance computes the embedding.
+    prefill = cluster.child("prefill-0").proc
+    os.kill(prefill.pid, signal.SIGSTOP)
+    try:
+        moved = stub.Embed(router_pb2.EmbedRequest(
+            token_ids=router_pb2.TokenIds(ids=moved_ids)), timeout=120)
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+    assert moved.instance_id == "decode-0"
+    for got, w in zip((slow, moved), want, strict=True):
+        assert torch.allclose(torch.tensor(list(got.embedding)),
+                              torch.tensor(w.outputs.embedding), atol=1e-4)
+    router_log = (cluster.log_dir / "router.log").read_text()
+    assert "embedding on prefill-0 still running" in router_log  # it outlasted a probe
+    assert "embedding on prefill-0 failed: it stopped answering" in router_log

@@ -19,6 +19,7 @@ def test_regenerating_stubs_gives_the_committed_files(tmp_path):
 def test_services_are_in_the_descriptors():
     from pdserve.proto.pdserve.v1 import engine_pb2, router_pb2
 
-    assert set(engine_pb2.DESCRIPTOR.services_by_name) == {"Prefill", "Decode"}
-    assert "Generate" in router_pb2.DESCRIPTOR.services_by_name["Router"].methods_by_name
+    assert set(engine_pb2.DESCRIPTOR.services_by_name) == {"Prefill", "Decode", "Pooling"}
+    assert {"Generate", "Embed"} <= set(router_pb2.DESCRIPTOR.services_by_name["Router"]
+                                        .methods_by_name)
     assert Path(router_pb2.__file__).parent == DEFAULT_OUT / "pdserve" / "v1"

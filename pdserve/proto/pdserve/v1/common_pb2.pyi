@@ -244,3 +244,25 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class PoolingParams(_message.Message):
+    __slots__ = ("normalize", "dimensions", "truncate_prompt_tokens")
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    normalize: bool
+    dimensions: int
+    truncate_prompt_tokens: int
+    def __init__(self, normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "embedding", "prompt_tokens", "instance_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    instance_id: str
+    def __init__(self, request_id: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...

@@ -64,3 +64,13 @@ class DecodeRequest(_message.Message):
     handle: _common_pb2.KVHandle
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedPromptRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "pooling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    pooling: _common_pb2.PoolingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ...) -> None: ...

@@ -387,3 +387,78 @@ class Decode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PoolingStub:
+    """Served by every instance, whatever its role: embeddings (pooling requests).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.Pooling/Embed',
+                request_serializer=pdserve_dot_v1_dot_engine__pb2.EmbedPromptRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+
+
+class PoolingServicer:
+    """Served by every instance, whatever its role: embeddings (pooling requests).
+    """
+
+    def Embed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PoolingServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve_dot_v1_dot_engine__pb2.EmbedPromptRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.Pooling', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.Pooling', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Pooling:
+    """Served by every instance, whatever its role: embeddings (pooling requests).
+    """
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Pooling/Embed',
+            pdserve_dot_v1_dot_engine__pb2.EmbedPromptRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

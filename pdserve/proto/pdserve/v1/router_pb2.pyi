@@ -25,6 +25,18 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "pooling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    pooling: _common_pb2.PoolingParams
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
+
 class HeartbeatResponse(_message.Message):
     __slots__ = ("interval_s",)
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]

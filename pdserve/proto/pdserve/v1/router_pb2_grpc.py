@@ -40,6 +40,11 @@ class RouterStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.Router/Embed',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/pdserve.v1.Router/Heartbeat',
                 request_serializer=pdserve_dot_v1_dot_common__pb2.Load.SerializeToString,
@@ -67,6 +72,13 @@ class RouterServicer:
 
     def Generate(self, request, context):
         """Generate for a prompt, streaming token deltas as they are produced.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """The embedding of a prompt (last-token pooling), computed on one instance.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +118,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.EmbedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -155,6 +172,33 @@ class Router:
             '/pdserve.v1.Router/Generate',
             pdserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Embed',
+            pdserve_dot_v1_dot_router__pb2.EmbedRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
