@@ -111,6 +111,9 @@ class InputProcessor:
         prefilled = list(kv.get("output_token_ids") or [])
         if prefilled and params.n != 1:
             raise ValueError("n: must be 1 for a request continuing a remote prefill")
+        if (remote_kv or prefilled) and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not computed for a request continuing a "
+                             "remote prefill (the prefill side has them)")
         for t in prefilled:
             if not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"output_token_ids: token id {t!r} is outside the vocabulary")

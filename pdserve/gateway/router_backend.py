@@ -22,6 +22,7 @@ from pdserve.gateway.backend import (
     Delta,
     DeltaStream,
     ModelInfo,
+    PositionLogprobs,
     ServedBy,
     TokenLogprob,
     Usage,
@@ -48,6 +49,7 @@ def map_rpc_error(e: grpc.RpcError) -> Exception:
 
 
 class RouterBackend(Backend):
+    supports_prompt_logprobs = True  # on the router's first message
     def __init__(self, address: str, model: str, max_model_len: int | None = None,
                  timeout_s: float | None = None, credentials: Credentials | None = None):
         """`model`: the name or path the instances serve (its tokenizer and context length)."""
@@ -195,10 +197,7 @@ class _RouterStream(DeltaStream):
         return delta
 
     def _delta(self, msg: common_pb2.GenerateResponse) -> Delta:
-        logprobs = None
-        if msg.logprobs:
-            logprobs = [[TokenLogprob(e.token_id, e.logprob, e.rank or None, e.decoded_token)
-                         for e in pos.entries] or None for pos in msg.logprobs]
+        logprobs = _positions(msg.logprobs) if msg.logprobs else None
         stop_reason: int | str | None = msg.stop_reason or None
         if stop_reason and stop_reason.isdigit() and int(stop_reason) in self._stop_token_ids:
             stop_reason = int(stop_reason)
@@ -214,7 +213,8 @@ class _RouterStream(DeltaStream):
         return Delta(msg.index, list(msg.token_ids), msg.text, logprobs,
                      finish_reason=msg.finish_reason or None, stop_reason=stop_reason,
                      prompt_token_ids=list(msg.prompt_token_ids) or None, usage=usage,
-                     served_by=served_by)
+                     served_by=served_by,
+                     prompt_logprobs=_positions(msg.prompt_logprobs) or None)
 
     def _finish(self) -> None:
         self._done = True
@@ -224,3 +224,9 @@ class _RouterStream(DeltaStream):
         if not self._done:
             self._call.cancel()
         self._finish()
+
+
+def _positions(msgs) -> list[PositionLogprobs]:
+    """PositionLogprobs messages as the gateway's (an empty position is None)."""
+    return [[TokenLogprob(e.token_id, e.logprob, e.rank or None, e.decoded_token)
+             for e in pos.entries] or None for pos in msgs]

@@ -243,7 +243,8 @@ class GenerateFlow:
         """The prefill's first token, sent at once; also the last message when it finished."""
         msg = common_pb2.GenerateResponse(
             request_id=self.rid, index=0, token_ids=[first.first_token_id], text=first.first_text,
-            cumulative_logprob=first.first_logprob, prompt_token_ids=prompt_ids)
+            cumulative_logprob=first.first_logprob, prompt_token_ids=prompt_ids,
+            prompt_logprobs=first.prompt_logprobs)
         if params.logprobs is not None:
             msg.logprobs.append(first.first_logprobs)
         if first.finish_reason:
@@ -262,8 +263,14 @@ class GenerateFlow:
         and the tokens the client has, and the stream goes on where it stopped."""
         req = engine_pb2.DecodeRequest(request_id=self.rid, prompt_token_ids=prompt_ids,
                                        sampling=self.request.sampling)
+        # A continuation (of P's prefill, or migrated) does not recompute the prompt's
+        # logprobs: the client has them from the first message.
+        continuing = common_pb2.SamplingParams()
+        continuing.CopyFrom(self.request.sampling)
+        continuing.ClearField("prompt_logprobs")
         sent, cached, connector = None, 0, ""
         if first is not None:
+            req.sampling.CopyFrom(continuing)
             req.handle.CopyFrom(first.handle)
             req.output_token_ids.append(first.first_token_id)
             sent = Continuation([first.first_token_id], first.first_text, first.first_logprob)
@@ -299,7 +306,7 @@ class GenerateFlow:
                         self.served.migrations += 1
                         sent = relay.sent
                         req, connector = sent.decode_request(self.rid, prompt_ids,
-                                                             self.request.sampling), ""
+                                                             continuing), ""
                 if retry is not None:
                     logger.warning("request %s: decode %s is down %s, continuing on %s",
                                    self.rid, decode.id, "mid-stream" if relay.received

@@ -120,3 +120,12 @@ def logprobs_to_proto(entry: dict[int, Logprob] | None,
         common_pb2.TopLogprob(token_id=t, logprob=entry[t].logprob, rank=entry[t].rank or 0,
                               decoded_token=entry[t].decoded_token or "")
         for t in order if t in entry])
+
+
+def prompt_logprobs_to_proto(entries: list[dict[int, Logprob] | None] | None,
+                             prompt_ids: list[int]) -> list[common_pb2.PositionLogprobs]:
+    """A RequestOutput's prompt_logprobs (one per prompt token, None first), the prompt token
+    first at each position; [] when none were asked."""
+    if entries is None:
+        return []
+    return [logprobs_to_proto(e, t) for e, t in zip(entries, prompt_ids)]

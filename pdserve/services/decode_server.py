@@ -42,7 +42,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         yield from self._stream(rid, stream, request, context)
 
     def _stream(self, rid, stream, request, context):
-        from pdserve.services.convert import logprobs_to_proto
+        from pdserve.services.convert import logprobs_to_proto, prompt_logprobs_to_proto
 
         completion_tokens = 0
         first = True
@@ -65,6 +65,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                                         for e, t in zip(c.logprobs, c.token_ids))
                 if first:
                     msg.prompt_token_ids.extend(out.prompt_token_ids)
+                    msg.prompt_logprobs.extend(prompt_logprobs_to_proto(
+                        out.prompt_logprobs, out.prompt_token_ids))
                     first = False
                 if out.finished and i == len(out.outputs) - 1:
                     msg.usage.CopyFrom(common_pb2.Usage(

@@ -49,7 +49,11 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
 
     def _response(self, rid, out, user_max_tokens, has_stop_strings):
         from pdserve.kv_transfer.connector import KVHandle  # imports torch: not for --help
-        from pdserve.services.convert import handle_to_proto, logprobs_to_proto
+        from pdserve.services.convert import (
+            handle_to_proto,
+            logprobs_to_proto,
+            prompt_logprobs_to_proto,
+        )
 
         c = out.outputs[0]
         first = c.token_ids[0]
@@ -57,6 +61,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         resp = engine_pb2.PrefillResponse(
             first_token_id=first, num_cached_tokens=out.num_cached_tokens or 0,
             instance_id=self.instance.instance_id,
+            prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs, out.prompt_token_ids),
             # Text that could still turn out to start a stop string, or half a character,
             # is left for the decode side to send.
             first_text="" if has_stop_strings or c.text.endswith("\ufffd") else c.text)

@@ -126,3 +126,23 @@ def test_failed_pull_recomputes_or_fails_clearly(tiny_model_dir, pd_pair, policy
         assert out.outputs[0].finish_reason == "error" and "KV transfer failed" in out.error
     assert decode.num_free_blocks == decode.num_blocks
     decode.connector.close()
+
+
+def test_prompt_logprobs_come_from_the_prefill_side(tiny_model_dir, pd_pair):
+    """The prefill engine computes prompt_logprobs (as a colocated one does); a decode engine
+    continuing its prefill refuses to be asked for them, naming the field."""
+    prefill, decode, _ = pd_pair
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    colocated = engine(tiny_model_dir, "c")
+    colocated.add_request("c", PROMPT, params)
+    want = run(colocated)["c"].prompt_logprobs
+    prefill.add_request("p", PROMPT, params, kv_transfer_params={"do_remote_decode": True})
+    p_out = run(prefill)["p"]
+    assert [None if e is None else sorted(e) for e in p_out.prompt_logprobs] == \
+        [None if e is None else sorted(e) for e in want]
+    handle = p_out.kv_transfer_params["handle"]
+    with pytest.raises(ValueError, match="^prompt_logprobs"):
+        decode.add_request("p", {"prompt_token_ids": p_out.prompt_token_ids},
+                           SamplingParams(max_tokens=4, prompt_logprobs=1),
+                           kv_transfer_params={"remote_handle": handle,
+                                               "output_token_ids": p_out.outputs[0].token_ids})

@@ -30,7 +30,7 @@ def test_decode_killed_mid_stream_continues_elsewhere(cluster, tiny_model_dir):
     request = router_pb2.GenerateRequest(
         token_ids=router_pb2.TokenIds(ids=PROMPT),
         sampling=common_pb2.SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
-                                           ignore_eos=True))
+                                           ignore_eos=True, prompt_logprobs=1))
     call = stub.Generate(request, timeout=120)
     msgs = [next(call) for _ in range(3)]
     victim = msgs[0].served_by.decode_instance
@@ -47,6 +47,10 @@ def test_decode_killed_mid_stream_continues_elsewhere(cluster, tiny_model_dir):
         temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert tokens == want.token_ids
     assert "".join(m.text for m in msgs) == want.text
+    # The prefill instance's prompt logprobs, once: the continuations do not recompute them.
+    assert [len(m.prompt_logprobs) for m in msgs] == [len(PROMPT)] + [0] * (len(msgs) - 1)
+    assert not msgs[0].prompt_logprobs[0].entries
+    assert [p.entries[0].token_id for p in msgs[0].prompt_logprobs[1:]] == PROMPT[1:]
 
 
 def test_no_decode_left_ends_with_a_clear_error(tiny_model_dir, tmp_path):

@@ -241,3 +241,25 @@ def test_router_embed_invalid_arguments(cluster, prompt, pooling, field):
         stub.Embed(request, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(field), e.value.details()
+
+
+def test_prompt_logprobs_through_the_cluster(client, llm, gateway):
+    """prompt_logprobs from the prefill instance (disaggregated) or the decode instance
+    (short prompt), equal to a colocated engine's; the generation is unchanged."""
+    fresh = "Far beyond the mountains, " + LONG_PROMPT  # in no prefix cache yet
+    for prompt, outcome in ((fresh, "disaggregated"), ("Hi there", "decode_only")):
+        before = samples(gateway.url).get(("pdserve:router_decisions_total", outcome), 0)
+        ids = llm.get_tokenizer().encode(prompt)
+        [ref] = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+            temperature=0, max_tokens=6, prompt_logprobs=2), use_tqdm=False)
+        out = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                        extra_body={"prompt_logprobs": 2})
+        choice = out.choices[0]
+        assert choice.text == ref.outputs[0].text
+        assert samples(gateway.url)[("pdserve:router_decisions_total", outcome)] == before + 1
+        got = choice.model_extra["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        for pos, want, tid in zip(got[1:], ref.prompt_logprobs[1:], ids[1:], strict=True):
+            assert set(pos) == {str(t) for t in want}
+            assert pos[str(tid)]["rank"] == want[tid].rank
+            assert pos[str(tid)]["logprob"] == pytest.approx(want[tid].logprob, abs=1e-4)

@@ -164,7 +164,7 @@ class ServedBy(_message.Message):
     def __init__(self, prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., prefill_attempts: _Optional[int] = ..., kv_connector: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "served_by", "cumulative_logprob", "prompt_token_ids")
+    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "served_by", "cumulative_logprob", "prompt_token_ids", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class GenerateResponse(_message.Message):
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -187,7 +188,8 @@ class GenerateResponse(_message.Message):
     served_by: ServedBy
     cumulative_logprob: float
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., served_by: _Optional[_Union[ServedBy, _Mapping]] = ..., cumulative_logprob: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., served_by: _Optional[_Union[ServedBy, _Mapping]] = ..., cumulative_logprob: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("instance_id", "role", "address", "waiting_requests", "running_requests", "waiting_tokens", "free_blocks", "total_blocks", "leased_requests", "connector", "block_size", "prefix_queries", "prefix_hits", "kv_bytes_received", "kv_transfer_seconds", "kv_loads_failed", "cached_blocks", "indexed_blocks")

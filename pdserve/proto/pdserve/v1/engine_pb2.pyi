@@ -18,7 +18,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_text", "first_logprobs", "first_logprob", "handle", "finish_reason", "stop_reason", "num_cached_tokens", "instance_id")
+    __slots__ = ("first_token_id", "first_text", "first_logprobs", "first_logprob", "handle", "finish_reason", "stop_reason", "num_cached_tokens", "instance_id", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TEXT_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class PrefillResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_text: str
     first_logprobs: _common_pb2.PositionLogprobs
@@ -37,7 +38,8 @@ class PrefillResponse(_message.Message):
     stop_reason: str
     num_cached_tokens: int
     instance_id: str
-    def __init__(self, first_token_id: _Optional[int] = ..., first_text: _Optional[str] = ..., first_logprobs: _Optional[_Union[_common_pb2.PositionLogprobs, _Mapping]] = ..., first_logprob: _Optional[float] = ..., handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_text: _Optional[str] = ..., first_logprobs: _Optional[_Union[_common_pb2.PositionLogprobs, _Mapping]] = ..., first_logprob: _Optional[float] = ..., handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
