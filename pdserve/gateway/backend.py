@@ -161,8 +161,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> DeltaStream:
-        """Start a request. Raises ValueError on bad input, BackendError if it cannot run."""
+                       params: SamplingParams, priority: int = 0) -> DeltaStream:
+        """Start a request (`priority`: vLLM's, lower first, under a priority scheduling
+        policy). Raises ValueError on bad input, BackendError if it cannot run."""
 
     async def embed(self, request_id: str, prompt_ids: list[int],
                     pooling: PoolingParams) -> list[float]:

@@ -20,8 +20,8 @@ class BeamSearchStream(DeltaStream):
     """The DeltaStream of one prompt's beam search."""
 
     def __init__(self, backend: Backend, request_id: str, prompt_ids: list[int],
-                 params: BeamSearchParams, eos_token_id: int | None, decode):
-        self.backend, self.request_id = backend, request_id
+                 params: BeamSearchParams, eos_token_id: int | None, decode, priority: int = 0):
+        self.backend, self.request_id, self.priority = backend, request_id, priority
         self.search = BeamSearch(prompt_ids, params, eos_token_id)
         self.decode = decode
         self.step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
@@ -32,7 +32,7 @@ class BeamSearchStream(DeltaStream):
 
     async def _candidates(self, tokens: list[int]) -> dict[int, float]:
         stream = await self.backend.generate(f"{self.request_id}-beam{next(self._ids)}",
-                                             tokens, self.step)
+                                             tokens, self.step, self.priority)
         self._open.append(stream)
         try:
             candidates: dict[int, float] = {}
@@ -67,10 +67,10 @@ class BeamSearchStream(DeltaStream):
             await stream.aclose()
 
 
-def beam_generation(ctx, request_id: str,
-                    requests: list[tuple[list[int], BeamSearchParams]]) -> Generation:
+def beam_generation(ctx, request_id: str, requests: list[tuple[list[int], BeamSearchParams]],
+                    priority: int = 0) -> Generation:
     """A Generation whose choices are each prompt's best beams (beam_width per prompt)."""
     streams = [BeamSearchStream(ctx.backend, f"{request_id}-{i}", ids, params,
-                                ctx.tokenizer.eos_token_id, ctx.decode)
+                                ctx.tokenizer.eos_token_id, ctx.decode, priority)
                for i, (ids, params) in enumerate(requests)]
     return Generation(streams, requests[0][1].beam_width, ctx.metrics, time.monotonic())

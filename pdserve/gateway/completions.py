@@ -78,8 +78,9 @@ class CompletionRun:
 
     async def start(self) -> Generation:
         if self.req.use_beam_search:
-            return beam_generation(self.ctx, self.id, self.requests)
-        return await Generation.start(self.ctx.backend, self.id, self.requests, self.ctx.metrics)
+            return beam_generation(self.ctx, self.id, self.requests, self.req.priority)
+        return await Generation.start(self.ctx.backend, self.id, self.requests, self.ctx.metrics,
+                                      self.req.priority)
 
     async def respond(self, gen: Generation) -> dict:
         choices: dict[int, Choice] = {}

@@ -9,6 +9,7 @@ request's OutputStream hands its outputs straight from the engine's thread to th
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,10 +55,11 @@ class LocalBackend(Backend):
         return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
 
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> DeltaStream:
+                       params: SamplingParams, priority: int = 0) -> DeltaStream:
         engine_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
-        submitted = asyncio.get_running_loop().run_in_executor(
-            self._calls, self.loop.submit, request_id, engine_prompt, params)
+        submit = functools.partial(self.loop.submit, request_id, engine_prompt, params,
+                                   priority=priority)
+        submitted = asyncio.get_running_loop().run_in_executor(self._calls, submit)
         try:
             stream = await asyncio.shield(submitted)
         except asyncio.CancelledError:

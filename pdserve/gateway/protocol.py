@@ -98,6 +98,7 @@ class _SamplingRequest(_Body):
     bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # vLLM: generated (and prompt) token ids in the answer
     use_beam_search: bool = False  # vLLM: the n best beams of a beam search (beam_stream.py)
+    priority: int = 0  # vLLM: lower first, with --scheduling-policy priority (else only 0)
     length_penalty: float = 1.0
     truncate_prompt_tokens: int | None = None  # vLLM: keep the last k prompt tokens (-1: all fit)
     # Structured outputs (constraints.py): one of these at most.
@@ -339,7 +340,7 @@ _PARAM_ALIASES = {"max_tokens", "min_tokens", "n", "temperature", "top_p", "top_
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
                   "stop_token_ids", "logprobs", "prompt_logprobs", "logit_bias",
                   "allowed_token_ids", "bad_words", "prompt", "prompt_token_ids",
-                  "truncate_prompt_tokens"}
+                  "truncate_prompt_tokens", "priority"}
 
 
 def param_of(message: str) -> str | None:

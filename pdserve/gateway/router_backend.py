@@ -89,7 +89,10 @@ class RouterBackend(Backend):
         return list(resp.embedding)
 
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> DeltaStream:
+                       params: SamplingParams, priority: int = 0) -> DeltaStream:
+        if priority:  # NOTE: the router and its instances schedule first come, first served
+            raise ValueError(f"priority: {priority} is not supported through the router "
+                             f"(only 0)")
         req = router_pb2.GenerateRequest(request_id=request_id, sampling=params_to_proto(params))
         if isinstance(prompt, str):
             req.text = prompt

@@ -238,3 +238,25 @@ def test_chat_prompt_logprobs_errors(client):
     bad(client, "/v1/chat/completions", body | {"prompt_logprobs": 21}, "prompt_logprobs")
     r = client.post("/v1/chat/completions", json=body | {"prompt_logprobs": -1})
     assert r.status_code == 400
+
+
+# --- HTTP priority (vLLM's: lower first, under --scheduling-policy priority) ------------------
+
+def test_http_priority_reaches_the_engine(client, tiny_model_dir, tiny_llm):
+    """fcfs (the default) takes only priority 0, as vLLM's engine: the engine's refusal of
+    another value names the field; a priority engine serves any int, with the same answer."""
+    want = tiny_llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0].text
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": MESSAGES})):
+        assert "priority" in bad(client, path, body | GREEDY | {"priority": 3}, "priority")
+        post(client, path, body | GREEDY | {"priority": 0})
+    bad(client, "/v1/completions", {"prompt": PROMPT, "priority": "high"} | GREEDY, "priority")
+    backend = LocalBackend.from_engine_args(EngineArgs(
+        model=str(tiny_model_dir), kv_cache_memory_bytes=8 << 20, scheduling_policy="priority"))
+    with TestClient(build_app(backend, "tiny")) as c:
+        for priority in (-2, 7):
+            out = post(c, "/v1/completions", {"prompt": PROMPT, "priority": priority} | GREEDY)
+            assert out["choices"][0]["text"] == want
+        beams = post(c, "/v1/completions", {"prompt": PROMPT, "priority": 1, "n": 2,
+                                            "use_beam_search": True} | GREEDY)
+        assert len(beams["choices"]) == 2

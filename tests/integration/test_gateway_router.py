@@ -115,6 +115,17 @@ def test_bad_token_id_is_400(gateway):
     assert r.json()["error"]["param"] == "prompt"
 
 
+def test_priority_other_than_0_is_400_through_the_router(gateway):
+    """The router and its instances schedule first come, first served: priority 0 only."""
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                          "priority": 2}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "priority"
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                          "priority": 0}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_disconnect_frees_blocks_on_every_instance(gateway):
     body = {"prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=gateway.url, timeout=30) as c, \

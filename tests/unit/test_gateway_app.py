@@ -89,7 +89,7 @@ class FakeBackend(Backend):
         self.started = []
         self.aborted = []
 
-    async def generate(self, request_id, prompt, params):
+    async def generate(self, request_id, prompt, params, priority=0):
         if self.fail_start is not None:
             raise self.fail_start
         self.started.append((request_id, list(prompt), params))
