@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pdserve.cpu_budget import format_cores, split_cores
 from pdserve.logging_setup import FORMATS, LEVELS
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.parent_watch import PARENT_ENV
+from pdserve.ports import pick_free_port
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
 
@@ -110,9 +110,8 @@ class Child:
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port for a child to listen on (see ports.pick_free_port)."""
+    return pick_free_port(host)
 
 
 def _dial_host(host: str) -> str:

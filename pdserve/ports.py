@@ -1,9 +1,17 @@
-"""Checking, before a server loads its model, that it will be able to listen on its port."""
+"""Ports for servers: checking, before a server loads its model, that it will be able to
+listen on its port; and picking a free port for a server started a moment later."""
 
 from __future__ import annotations
 
 import errno
+import random
 import socket
+import threading
+
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+PICK_FROM = 10000  # picked ports are in [PICK_FROM, the ephemeral range's start)
+_picked: set[int] = set()  # handed out by this process: never twice
+_picked_lock = threading.Lock()
 
 
 class PortInUse(RuntimeError):
@@ -37,3 +45,42 @@ def check_bindable(host: str, port: int, flag: str = "--port") -> None:
                 raise PortInUse(f"port {port} on {host} is in use ({flag})") from None
             raise ValueError(f"--host/{flag}: cannot listen on {host}:{port} "
                              f"({e.strerror})") from None
+
+
+def pick_free_port(host: str) -> int:
+    """A port free on `host` now, for a server that binds it a moment later.
+
+    Picked below the kernel's ephemeral range when there is room: a port from that range (what
+    binding port 0 gives) can be taken before the server binds it by any outgoing connection
+    or any bind to port 0 on the machine; ports below it are only ever taken on purpose.
+    """
+    low = _ephemeral_start()
+    rng = random.SystemRandom()
+    for _ in range(200 if low - PICK_FROM >= 1000 else 0):
+        port = rng.randrange(PICK_FROM, low)
+        with _picked_lock:
+            if port in _picked or not _bindable(host, port):
+                continue
+            _picked.add(port)
+        return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

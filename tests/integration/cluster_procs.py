@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,11 +14,11 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.ports import pick_free_port
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick_free_port("127.0.0.1")
 
 
 class ServerProcess:

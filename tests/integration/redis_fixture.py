@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.ports import pick_free_port
+
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick_free_port("127.0.0.1")
 
 
 def _find_or_install_redis_server() -> str:
