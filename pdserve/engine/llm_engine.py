@@ -27,6 +27,7 @@ from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv_transfer.connector import KVConnector
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.empty_init import skip_random_init
 from pdserve.models.loader import load_state_dict, load_tokenizer
 from pdserve.outputs import PoolingRequestOutput, RequestOutput
 from pdserve.pooling_params import PoolingParams
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 def load_model(config: EngineConfig) -> LlamaForCausalLM:
     """Build the decoder and fill it with the checkpoint's weights."""
     arch, dtype = config.model.arch, config.model.dtype
-    with torch.device(config.device.device):
+    with torch.device(config.device.device), skip_random_init():  # every weight is loaded
         model = LlamaForCausalLM(arch).to(dtype)
     model.load_weights(load_state_dict(config.model.resolved, dtype))
     model.pack_for_cpu()  # oneDNN's weight layout too on CPU (float32); a no-op elsewhere

@@ -199,3 +199,29 @@ def test_smollm2_tokenizer(smollm2, tiny_model_dir: Path) -> None:
     assert "<|im_start|>user\nhi<|im_end|>" in chat and chat.endswith("<|im_start|>assistant\n")
     tiny = load_tokenizer(resolve_model(str(tiny_model_dir)))  # same tokenizer, saved to disk
     assert tiny.encode(text, add_special_tokens=False) == ids and tiny.chat_template == tok.chat_template
+
+
+def test_models_are_built_without_random_init_and_refuse_a_partial_checkpoint(
+        tiny_model_dir: Path) -> None:
+    """load_model skips nn.Linear / nn.Embedding's random init, which is safe only because a
+    checkpoint that leaves any parameter unset is refused; the patch is undone afterwards."""
+    from torch import nn
+
+    from pdserve.engine.engine_args import EngineArgs
+    from pdserve.engine.llm_engine import load_model
+    from pdserve.models.empty_init import skip_random_init
+    from pdserve.models.llama import LlamaForCausalLM
+
+    linear_init = nn.Linear.reset_parameters
+    config = EngineArgs(model=str(tiny_model_dir), kv_cache_memory_bytes=4 << 20) \
+        .create_engine_config()
+    model = load_model(config)
+    assert nn.Linear.reset_parameters is linear_init
+    reference = load_state_dict(config.model.resolved, torch.float32)
+    assert torch.equal(model.embed_tokens.weight, reference["model.embed_tokens.weight"])
+    with skip_random_init():
+        assert nn.Linear.reset_parameters is not linear_init
+        empty = LlamaForCausalLM(config.model.arch)
+    partial = {k: v for k, v in reference.items() if "layers.1.mlp.down_proj" not in k}
+    with pytest.raises(ValueError, match="weights missing from checkpoint"):
+        empty.load_weights(partial)
