@@ -44,10 +44,18 @@ def start(model_dir, logs, redis_url=None, num_blocks=1024):
     return cluster, stub
 
 
+def indexed_blocks(stub) -> dict[str, int]:
+    return {i.instance_id: i.indexed_blocks for i in prefill_loads(stub)}
+
+
 def lands_on_holder(stub, prefix: int) -> tuple[bool, str]:
-    """A second prompt sharing `prefix` goes to the prefill instance that computed it."""
+    """A second prompt sharing `prefix` goes to the prefill instance that computed it, once
+    the router's index has that instance's blocks (KV events come every 0.1 s, later on a
+    loaded machine)."""
+    before = indexed_blocks(stub)
     _, first, _, _ = generate(stub, prompt(prefix, 1))
-    time.sleep(0.5)  # events are published every 0.1 s
+    wait_for(lambda: indexed_blocks(stub).get(first, 0)
+             >= before.get(first, 0) + PREFIX_TOKENS // 16, timeout=20)
     _, second, cached, _ = generate(stub, prompt(prefix, 2))
     return second == first and cached >= PREFIX_TOKENS, first
 
