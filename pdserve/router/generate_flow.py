@@ -230,6 +230,11 @@ class GenerateFlow:
             if not resp.HasField("handle") and not resp.finish_reason:
                 logger.warning("request %s: %s answered without a KV handle", self.rid, p.id)
                 continue
+            if resp.prompt_logprobs and len(resp.prompt_logprobs) != len(prompt_ids):
+                logger.warning("request %s: %s sent prompt_logprobs for %d of %d prompt "
+                               "tokens", self.rid, p.id, len(resp.prompt_logprobs),
+                               len(prompt_ids))
+                continue
             if resp.HasField("handle"):
                 self._set_lease((resp.handle.release_address or p.address, self.rid))
             self.served.prefill_instance = resp.instance_id or p.id

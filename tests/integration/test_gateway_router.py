@@ -274,3 +274,31 @@ def test_prompt_logprobs_through_the_cluster(client, llm, gateway):
             assert set(pos) == {str(t) for t in want}
             assert pos[str(tid)]["rank"] == want[tid].rank
             assert pos[str(tid)]["logprob"] == pytest.approx(want[tid].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"prompt_token_ids": []}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, 10**7]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [5, 6], "pooling": {"dimensions": -4}}, "pooling.dimensions"),
+    ({"prompt_token_ids": [5, 6], "pooling": {"dimensions": 10**6}}, "dimensions"),
+    ({"prompt_token_ids": [5] * 5000}, "prompt"),
+])
+def test_instance_embed_refuses_bad_fields_and_keeps_serving(cluster, llm, fields, field):
+    """An instance's Pooling.Embed, called directly: each bad field is INVALID_ARGUMENT
+    naming it, and the instance goes on answering embeddings."""
+    import torch
+    from google.protobuf.json_format import ParseDict
+
+    from pdserve.proto.pdserve.v1 import engine_pb2, engine_pb2_grpc
+
+    stub = engine_pb2_grpc.PoolingStub(grpc.insecure_channel(cluster.child("decode-0").address))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(ParseDict(fields, engine_pb2.EmbedPromptRequest()), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field), e.value.details()
+    ids = llm.get_tokenizer().encode("Hi there")
+    ok = stub.Embed(engine_pb2.EmbedPromptRequest(prompt_token_ids=ids), timeout=30)
+    [want] = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)
+    assert ok.instance_id == "decode-0" and ok.prompt_tokens == len(ids)
+    assert torch.allclose(torch.tensor(list(ok.embedding)), torch.tensor(want.outputs.embedding),
+                          atol=1e-4)
