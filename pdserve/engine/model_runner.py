@@ -13,6 +13,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.pooling import pool_hidden
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from pdserve.kernels import native
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
 from pdserve.kv_transfer.connector import KVConnector
 from pdserve.models.llama import LlamaForCausalLM
@@ -38,6 +39,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.device = torch.device(config.device.device)
         self.sampler = Sampler(config.model.arch.vocab_size)
+        if self.device.type == "cpu":
+            native.load()  # built (once per machine) now, not on the first request
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_decode
+
 
 @dataclass
 class PrefillSpan:
@@ -364,12 +366,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     With `softcap` (scores -> softcap * tanh(scores / softcap)) or `sliding_window` (a query
     at position p sees keys p - sliding_window + 1 .. p) set, attention takes the simple
-    explicit-score path (`masked_attention`); otherwise the fast paths below."""
+    explicit-score path (`masked_attention`); otherwise the fast paths below: decodes through
+    the native CPU kernel where it applies (cpu_decode.py), else the torch plans above."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if softcap is not None or sliding_window is not None:
         return _masked_paged_attention(q, k_cache, v_cache, meta, scale, softcap,
                                        sliding_window)
-    if meta.num_decodes:
+    if meta.num_decodes and cpu_decode.supports(q, k_cache, v_cache):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        cpu_decode.decode_into(out, q, k_cache, v_cache, meta.decode_block_tables,
+                               meta.decode_seq_lens, meta.decode_token_idx, scale)
+    elif meta.num_decodes:
         plan, rows = meta.decode_plan(q, k_cache, v_cache)
         decoded = _decode(q.index_select(0, rows), k_cache, v_cache, plan, scale)
         if not meta.prefills:

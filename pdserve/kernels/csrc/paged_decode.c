@@ -1,0 +1,193 @@
+/* Decode attention over the paged KV cache, float32, for CPUs.
+ *
+ * One work item per (decode sequence, KV head): its G = h / kvh query heads read each of the
+ * sequence's keys and values once, straight from the cache blocks (no gathered copy, no index
+ * tensors). Two passes per item: the scaled scores of every head into a scratch row, then a
+ * softmax and the probability-weighted sum of the values. Items are shared among OpenMP
+ * threads (the same libgomp as torch's: it is loaded first, under the same soname).
+ *
+ * Layouts (float32, contiguous unless a stride is given):
+ *   q       row r of the batch at q + r * q_stride, its h heads of d values contiguous
+ *   kc, vc  (num_blocks, block_size, kvh, d)
+ *   tables  (B, max_blocks) int64; lens (B,) int64; rows (B,) int64: each decode's batch row
+ *   out     (T, h, d): decode b writes row rows[b]
+ * Returns 0; -1 for an unsupported head size; -2 when scratch memory could not be had;
+ * -(3 + b) when decode b's length or block table does not fit the cache (checked first:
+ * nothing is read out of bounds).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+#define SPLAT(x) ((v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
+
+static inline v16 load16(const float *p) { return *(const v16u *)p; }
+static inline void store16(float *p, v16 x) { *(v16u *)p = x; }
+
+static inline v16 vmax(v16 a, v16 b)
+{
+    const i16 a_wins = a > b;
+    return (v16)(((i16)a & a_wins) | ((i16)b & ~a_wins));
+}
+
+static inline float hsum(v16 x)
+{
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+static inline float hmax(v16 x)
+{
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* e^x for x <= 0: 2^n e^r, n = round(x / ln 2), |r| <= ln(2) / 2, Cephes' expf polynomial
+ * (about 1 ulp); inputs below -87 give e^-87. */
+static inline v16 exp16(v16 x)
+{
+    x = vmax(x, SPLAT(-87.0f));
+    const i16 ni = -__builtin_convertvector(SPLAT(0.5f) - x * SPLAT(1.44269504f), i16);
+    const v16 n = __builtin_convertvector(ni, v16);
+    const v16 r = x - n * SPLAT(0.693359375f) + n * SPLAT(2.12194440e-4f);
+    v16 p = SPLAT(1.9875691500e-4f);
+    p = p * r + SPLAT(1.3981999507e-3f);
+    p = p * r + SPLAT(8.3334519073e-3f);
+    p = p * r + SPLAT(4.1665795894e-2f);
+    p = p * r + SPLAT(1.6666665459e-1f);
+    p = p * r + SPLAT(5.0000001201e-1f);
+    p = p * r * r + r + SPLAT(1.0f);
+    return (v16)((i16)p + (ni << 23));
+}
+
+/* Softmax of s[0..L) in place; returns 1 / (sum of exponentials). */
+static float softmax_row(float *s, int64_t L)
+{
+    float m = s[0];
+    int64_t t = 0;
+    if (L >= 16) {
+        v16 mv = load16(s);
+        for (t = 16; t + 16 <= L; t += 16) mv = vmax(load16(s + t), mv);
+        m = hmax(mv);
+    }
+    for (; t < L; t++) m = s[t] > m ? s[t] : m;
+    v16 sums = SPLAT(0.f);
+    for (t = 0; t + 16 <= L; t += 16) {
+        const v16 e = exp16(load16(s + t) - SPLAT(m));
+        store16(s + t, e);
+        sums += e;
+    }
+    float sum = hsum(sums);
+    if (t < L) {
+        v16 x = SPLAT(-87.0f);
+        for (int64_t i = t; i < L; i++) x[i - t] = s[i] - m;
+        const v16 e = exp16(x);
+        for (int64_t i = t; i < L; i++) { s[i] = e[i - t]; sum += e[i - t]; }
+    }
+    return 1.f / sum;
+}
+
+/* One (sequence, KV head): q (G, D) -> out (G, D); scores: G * L floats of scratch. */
+#define DEFINE_ATTEND(D)                                                                    \
+static void attend_##D(const float *q, const float *kc, const float *vc,                     \
+                       const int64_t *table, int64_t L, int64_t G, int64_t row_stride,       \
+                       int64_t bs, float scale, float *scores, float *out)                   \
+{                                                                                            \
+    enum { C = D / 16 };                                                                     \
+    for (int64_t j = 0; j < G; j++) {                                                        \
+        v16 qj[C];                                                                           \
+        for (int c = 0; c < C; c++) qj[c] = load16(q + j * D + 16 * c) * SPLAT(scale);      \
+        float *s = scores + j * L;                                                           \
+        for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
+            const float *kb = kc + table[t0 / bs] * bs * row_stride;                         \
+            const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
+            for (int64_t o = 0; o < n; o++) {                                                \
+                const float *k = kb + o * row_stride;                                        \
+                v16 acc = qj[0] * load16(k);                                                 \
+                for (int c = 1; c < C; c++) acc += qj[c] * load16(k + 16 * c);               \
+                s[t0 + o] = hsum(acc);                                                       \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t j = 0; j < G; j++) {                                                        \
+        const float *s = scores + j * L;                                                     \
+        const float inv = softmax_row(scores + j * L, L);                                    \
+        v16 acc[C];                                                                          \
+        for (int c = 0; c < C; c++) acc[c] = SPLAT(0.f);                                     \
+        for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
+            const float *vb = vc + table[t0 / bs] * bs * row_stride;                         \
+            const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
+            for (int64_t o = 0; o < n; o++) {                                                \
+                const v16 p = SPLAT(s[t0 + o]);                                              \
+                const float *v = vb + o * row_stride;                                        \
+                for (int c = 0; c < C; c++) acc[c] += p * load16(v + 16 * c);                \
+            }                                                                                \
+        }                                                                                    \
+        for (int c = 0; c < C; c++) store16(out + j * D + 16 * c, acc[c] * SPLAT(inv));     \
+    }                                                                                        \
+}
+
+DEFINE_ATTEND(64)
+DEFINE_ATTEND(128)
+
+static int64_t check_decodes(const int64_t *tables, int64_t max_blocks, const int64_t *lens,
+                             int64_t B, int64_t bs, int64_t num_blocks)
+{
+    for (int64_t b = 0; b < B; b++) {
+        if (lens[b] < 1 || lens[b] > max_blocks * bs) return b;
+        for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; i++) {
+            const int64_t block = tables[b * max_blocks + i];
+            if (block < 0 || block >= num_blocks) return b;
+        }
+    }
+    return -1;
+}
+
+int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                     int64_t num_blocks, int64_t bs, int64_t kvh, int64_t d,
+                     const int64_t *tables, int64_t max_blocks, const int64_t *lens,
+                     const int64_t *rows, int64_t B, int64_t h, float scale, float *out,
+                     int num_threads)
+{
+    if ((d != 64 && d != 128) || h % kvh) return -1;
+    const int64_t bad = check_decodes(tables, max_blocks, lens, B, bs, num_blocks);
+    if (bad >= 0) return (int)(-3 - bad);
+    const int64_t G = h / kvh, row_stride = kvh * d;
+    int out_of_memory = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = NULL;
+        int64_t capacity = 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < B * kvh; item++) {
+            const int64_t b = item / kvh, g = item % kvh, L = lens[b];
+            if (L * G > capacity) {
+                free(scores);
+                capacity = L * G;
+                scores = malloc(sizeof(float) * capacity);
+                if (!scores) {
+                    capacity = 0;
+                    #pragma omp atomic write
+                    out_of_memory = 1;
+                    continue;
+                }
+            }
+            const float *qb = q + rows[b] * q_stride + g * G * d;
+            float *ob = out + (rows[b] * h + g * G) * d;
+            const int64_t *table = tables + b * max_blocks;
+            if (d == 64)
+                attend_64(qb, kc + g * d, vc + g * d, table, L, G, row_stride, bs, scale,
+                          scores, ob);
+            else
+                attend_128(qb, kc + g * d, vc + g * d, table, L, G, row_stride, bs, scale,
+                           scores, ob);
+        }
+        free(scores);
+    }
+    return out_of_memory ? -2 : 0;
+}

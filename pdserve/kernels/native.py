@@ -1,0 +1,106 @@
+"""Native CPU kernels: the C sources in kernels/csrc, compiled once per machine and cached.
+
+The library is built with the system's C compiler (`$CC`, else `cc` / `gcc`) for the CPU it
+runs on (`-march=native`), into `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a name
+that hashes the sources, the flags, the compiler and the CPU, so a shared home directory never
+hands one machine another's build. An engine loads it when its model is built (`load()`), so
+the first build (under a second) never lands on a request. Without a compiler, or with
+`PDSERVE_NATIVE_KERNELS=0`, `load()` returns None and the torch kernels serve instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("paged_decode.c",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
+         "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
+DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"
+CACHE_ENV = "PDSERVE_CACHE_DIR"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    # q, q_stride, k_cache, v_cache, num_blocks, block_size, kvh, d, tables, max_blocks,
+    # lens, rows, B, h, scale, out, num_threads
+    "paged_decode_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
+                         _ptr, _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int],
+}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "|".join(dict.fromkeys(line for line in lines if line.startswith(wanted)))
+
+
+def _build_key(cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    parts = [(_CSRC / s).read_bytes() for s in SOURCES]
+    parts += [" ".join(FLAGS).encode(), cc.encode(), version.encode(),
+              platform.machine().encode(), _cpu_identity().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile into a temporary file beside `target`, then rename (concurrent builders race
+    harmlessly)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *FLAGS, *(str(_CSRC / s) for s in SOURCES), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The native kernel library, built on first use; None when disabled or not buildable."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found: the torch CPU kernels serve")
+        return None
+    importlib.import_module("torch")  # its libgomp first: the library then shares its threads
+
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve")
+    try:
+        target = cache / f"native-{_build_key(cc)}.so"
+        if not target.exists():
+            _build(cc, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native CPU kernels unavailable, the torch kernels serve: %s", e)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
