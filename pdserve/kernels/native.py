@@ -24,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c",)
+SOURCES = ("paged_decode.c", "elementwise.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"
@@ -37,7 +37,17 @@ _SIGNATURES = {
     # lens, rows, B, h, scale, out, num_threads
     "paged_decode_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
                          _ptr, _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int],
+    # x, x_stride, w, out, out_stride, rows, n, eps, num_threads
+    "rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int],
+    # x, x_stride, delta, delta_stride, w, out, out_stride, rows, n, eps, num_threads
+    "add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float,
+                         ctypes.c_int],
+    # gate_up, gate_up_stride, out, out_stride, rows, n, num_threads
+    "silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int],
+    # x, row_stride, rows, heads, head_dim, cos, sin, num_threads
+    "rotary_f32": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int],
 }
+_VOID = {"rms_norm_f32", "add_rms_norm_f32", "silu_mul_f32", "rotary_f32"}
 
 
 def _compiler() -> str | None:
@@ -102,5 +112,5 @@ def load() -> ctypes.CDLL | None:
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fn.argtypes, fn.restype = argtypes, None if name in _VOID else ctypes.c_int
     return lib

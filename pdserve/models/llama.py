@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.cpu_fused import add_rms_norm, can_rotate_in_place, rms_norm, \
+    rotate_in_place, silu_mul, torch_rotary
 from pdserve.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 from pdserve.kernels.dispatch import paged_attention
 from pdserve.models.arch import ModelArch
@@ -35,10 +37,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
@@ -80,8 +79,7 @@ class Rotary(nn.Module):
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, d) -> rotated, same dtype."""
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch_rotary(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
         cos, sin = self.cos_sin(positions)
@@ -119,7 +117,10 @@ class Attention(nn.Module):
         qk = qkv[:, :self.q_size + self.kv_size].view(T, h + kvh, d)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = Rotary.rotate(qk, *cos_sin)
+        if can_rotate_in_place(qk, *cos_sin):
+            rotate_in_place(qk, *cos_sin)  # qkv (or the normed copy) is this call's own
+        else:
+            qk = Rotary.rotate(qk, *cos_sin)
         q, k = qk[:, :h], qk[:, h:]  # (T, h, d), (T, kvh, d)
         v = qkv[:, self.q_size + self.kv_size:].view(T, kvh, d)
         if self.softcap is None and self.window is None:
@@ -137,8 +138,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -150,8 +150,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, x, cos_sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x: (T, hidden), this layer's to update in place (the embedding's or the previous
+        layer's output)."""
+        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        x, normed = add_rms_norm(x, attn, norm.weight, norm.eps)  # residual add + norm, fused
+        return x + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):

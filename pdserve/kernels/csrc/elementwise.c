@@ -1,0 +1,135 @@
+/* Fused elementwise layers for CPUs, float32: one pass over memory where torch takes several
+ * ops (and a Python dispatch for each).
+ *
+ *   rms_norm      out = x / sqrt(mean(x^2) + eps) * w                 rows of n values
+ *   add_rms_norm  x += delta (in place), then out = rms_norm(x) * w
+ *   silu_mul      out[r, i] = silu(gu[r, i]) * gu[r, n + i]           gu: rows of 2n values
+ *   rotary        per row t and head j < heads, the halves (a, b) of x[t, j] become
+ *                 (a cos - b sin, b cos + a sin) with row t of cos/sin: (rows, d/2)
+ *                 (in place)
+ * Row strides are in floats; rows are shared among OpenMP threads only when there are enough
+ * of them (waking threads costs more than a decode step's few rows).
+ */
+#include <stdint.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+#define SPLAT(x) ((v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
+#define PARALLEL_MIN_VALUES (1 << 16)
+
+static inline v16 load16(const float *p) { return *(const v16u *)p; }
+static inline void store16(float *p, v16 x) { *(v16u *)p = x; }
+
+static inline v16 vclamp(v16 x, float lo, float hi)
+{
+    const i16 low = x < SPLAT(lo), high = x > SPLAT(hi);
+    const i16 bits = ((i16)x & ~(low | high)) | ((i16)SPLAT(lo) & low) | ((i16)SPLAT(hi) & high);
+    return (v16)bits;
+}
+
+/* e^x, |x| clamped to about 87: 2^n e^r, n = floor(x / ln 2 + 1/2), Cephes' polynomial. */
+static inline v16 exp16(v16 x)
+{
+    x = vclamp(x, -87.0f, 87.0f);
+    const v16 y = x * SPLAT(1.44269504f) + SPLAT(0.5f);
+    i16 ni = __builtin_convertvector(y, i16);                      /* toward zero */
+    ni += (i16)(__builtin_convertvector(ni, v16) > y);             /* -1 where it rounded up */
+    const v16 n = __builtin_convertvector(ni, v16);
+    const v16 r = x - n * SPLAT(0.693359375f) + n * SPLAT(2.12194440e-4f);
+    v16 p = SPLAT(1.9875691500e-4f);
+    p = p * r + SPLAT(1.3981999507e-3f);
+    p = p * r + SPLAT(8.3334519073e-3f);
+    p = p * r + SPLAT(4.1665795894e-2f);
+    p = p * r + SPLAT(1.6666665459e-1f);
+    p = p * r + SPLAT(5.0000001201e-1f);
+    p = p * r * r + r + SPLAT(1.0f);
+    return (v16)((i16)p + (ni << 23));
+}
+
+static inline float hsum(v16 x)
+{
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+static void norm_row(const float *x, const float *w, float *out, int64_t n, float eps)
+{
+    v16 acc = SPLAT(0.f);
+    float tail = 0.f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) { const v16 v = load16(x + i); acc += v * v; }
+    for (int64_t k = i; k < n; k++) tail += x[k] * x[k];
+    const float inv = 1.0f / __builtin_sqrtf((hsum(acc) + tail) / (float)n + eps);
+    for (i = 0; i + 16 <= n; i += 16) store16(out + i, load16(x + i) * SPLAT(inv) * load16(w + i));
+    for (; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
+                  int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads)
+{
+    #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_VALUES)
+    for (int64_t r = 0; r < rows; r++)
+        norm_row(x + r * x_stride, w, out + r * out_stride, n, eps);
+}
+
+void add_rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
+                      const float *w, float *out, int64_t out_stride, int64_t rows, int64_t n,
+                      float eps, int num_threads)
+{
+    #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * x_stride;
+        const float *dr = delta + r * delta_stride;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) store16(xr + i, load16(xr + i) + load16(dr + i));
+        for (; i < n; i++) xr[i] += dr[i];
+        norm_row(xr, w, out + r * out_stride, n, eps);
+    }
+}
+
+void silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t out_stride,
+                  int64_t rows, int64_t n, int num_threads)
+{
+    #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * gu_stride, *u = g + n;
+        float *o = out + r * out_stride;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            const v16 gv = load16(g + i);
+            store16(o + i, gv / (SPLAT(1.0f) + exp16(-gv)) * load16(u + i));
+        }
+        for (; i < n; i++) {
+            v16 gv = SPLAT(g[i]);
+            o[i] = (gv / (SPLAT(1.0f) + exp16(-gv)))[0] * u[i];
+        }
+    }
+}
+
+void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                const float *cos, const float *sin, int num_threads)
+{
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= PARALLEL_MIN_VALUES)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t j = 0; j < heads; j++) {
+            float *a = x + t * row_stride + j * head_dim, *b = a + half;
+            int64_t i = 0;
+            for (; i + 16 <= half; i += 16) {
+                const v16 av = load16(a + i), bv = load16(b + i);
+                const v16 cv = load16(c + i), sv = load16(s + i);
+                store16(a + i, av * cv - bv * sv);
+                store16(b + i, bv * cv + av * sv);
+            }
+            for (; i < half; i++) {
+                const float av = a[i], bv = b[i];
+                a[i] = av * c[i] - bv * s[i];
+                b[i] = bv * c[i] + av * s[i];
+            }
+        }
+    }
+}
