@@ -92,6 +92,15 @@ static float softmax_row(float *s, int64_t L)
     return 1.f / sum;
 }
 
+/* Ask for the n rows of d floats (one KV head's part of each token) at base, stride apart:
+ * the next block's, while this one is worked on (blocks lie anywhere in the cache, where
+ * the hardware prefetcher does not follow). */
+static inline void prefetch_rows(const float *base, int64_t n, int64_t stride, int64_t d)
+{
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t e = 0; e < d; e += 16) __builtin_prefetch(base + o * stride + e, 0, 3);
+}
+
 /* One (sequence, KV head): q (G, D) -> out (G, D); scores: G * L floats of scratch. */
 #define DEFINE_ATTEND(D)                                                                    \
 static void attend_##D(const float *q, const float *kc, const float *vc,                     \
@@ -106,6 +115,8 @@ static void attend_##D(const float *q, const float *kc, const float *vc,        
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
             const float *kb = kc + table[t0 / bs] * bs * row_stride;                         \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
+            if (t0 + bs < L) prefetch_rows(kc + table[t0 / bs + 1] * bs * row_stride,        \
+                                           L - t0 - bs < bs ? L - t0 - bs : bs, row_stride, D); \
             for (int64_t o = 0; o < n; o++) {                                                \
                 const float *k = kb + o * row_stride;                                        \
                 v16 acc = qj[0] * load16(k);                                                 \
@@ -122,6 +133,8 @@ static void attend_##D(const float *q, const float *kc, const float *vc,        
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
             const float *vb = vc + table[t0 / bs] * bs * row_stride;                         \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
+            if (t0 + bs < L) prefetch_rows(vc + table[t0 / bs + 1] * bs * row_stride,        \
+                                           L - t0 - bs < bs ? L - t0 - bs : bs, row_stride, D); \
             for (int64_t o = 0; o < n; o++) {                                                \
                 const v16 p = SPLAT(s[t0 + o]);                                              \
                 const float *v = vb + o * row_stride;                                        \
