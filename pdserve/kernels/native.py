@@ -25,6 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "elementwise.c")
+HEADERS = ("vec16.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"
@@ -67,7 +68,7 @@ def _cpu_identity() -> str:
 def _build_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    parts = [(_CSRC / s).read_bytes() for s in SOURCES]
+    parts = [(_CSRC / s).read_bytes() for s in SOURCES + HEADERS]
     parts += [" ".join(FLAGS).encode(), cc.encode(), version.encode(),
               platform.machine().encode(), _cpu_identity().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]

@@ -10,50 +10,9 @@
  * Row strides are in floats; rows are shared among OpenMP threads only when there are enough
  * of them (waking threads costs more than a decode step's few rows).
  */
-#include <stdint.h>
+#include "vec16.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-#define SPLAT(x) ((v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
 #define PARALLEL_MIN_VALUES (1 << 16)
-
-static inline v16 load16(const float *p) { return *(const v16u *)p; }
-static inline void store16(float *p, v16 x) { *(v16u *)p = x; }
-
-static inline v16 vclamp(v16 x, float lo, float hi)
-{
-    const i16 low = x < SPLAT(lo), high = x > SPLAT(hi);
-    const i16 bits = ((i16)x & ~(low | high)) | ((i16)SPLAT(lo) & low) | ((i16)SPLAT(hi) & high);
-    return (v16)bits;
-}
-
-/* e^x, |x| clamped to about 87: 2^n e^r, n = floor(x / ln 2 + 1/2), Cephes' polynomial. */
-static inline v16 exp16(v16 x)
-{
-    x = vclamp(x, -87.0f, 87.0f);
-    const v16 y = x * SPLAT(1.44269504f) + SPLAT(0.5f);
-    i16 ni = __builtin_convertvector(y, i16);                      /* toward zero */
-    ni += (i16)(__builtin_convertvector(ni, v16) > y);             /* -1 where it rounded up */
-    const v16 n = __builtin_convertvector(ni, v16);
-    const v16 r = x - n * SPLAT(0.693359375f) + n * SPLAT(2.12194440e-4f);
-    v16 p = SPLAT(1.9875691500e-4f);
-    p = p * r + SPLAT(1.3981999507e-3f);
-    p = p * r + SPLAT(8.3334519073e-3f);
-    p = p * r + SPLAT(4.1665795894e-2f);
-    p = p * r + SPLAT(1.6666665459e-1f);
-    p = p * r + SPLAT(5.0000001201e-1f);
-    p = p * r * r + r + SPLAT(1.0f);
-    return (v16)((i16)p + (ni << 23));
-}
-
-static inline float hsum(v16 x)
-{
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
-}
 
 static void norm_row(const float *x, const float *w, float *out, int64_t n, float eps)
 {

@@ -15,55 +15,9 @@
  * -(3 + b) when decode b's length or block table does not fit the cache (checked first:
  * nothing is read out of bounds).
  */
-#include <stdint.h>
 #include <stdlib.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-#define SPLAT(x) ((v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
-
-static inline v16 load16(const float *p) { return *(const v16u *)p; }
-static inline void store16(float *p, v16 x) { *(v16u *)p = x; }
-
-static inline v16 vmax(v16 a, v16 b)
-{
-    const i16 a_wins = a > b;
-    return (v16)(((i16)a & a_wins) | ((i16)b & ~a_wins));
-}
-
-static inline float hsum(v16 x)
-{
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
-}
-
-static inline float hmax(v16 x)
-{
-    float m = x[0];
-    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
-/* e^x for x <= 0: 2^n e^r, n = round(x / ln 2), |r| <= ln(2) / 2, Cephes' expf polynomial
- * (about 1 ulp); inputs below -87 give e^-87. */
-static inline v16 exp16(v16 x)
-{
-    x = vmax(x, SPLAT(-87.0f));
-    const i16 ni = -__builtin_convertvector(SPLAT(0.5f) - x * SPLAT(1.44269504f), i16);
-    const v16 n = __builtin_convertvector(ni, v16);
-    const v16 r = x - n * SPLAT(0.693359375f) + n * SPLAT(2.12194440e-4f);
-    v16 p = SPLAT(1.9875691500e-4f);
-    p = p * r + SPLAT(1.3981999507e-3f);
-    p = p * r + SPLAT(8.3334519073e-3f);
-    p = p * r + SPLAT(4.1665795894e-2f);
-    p = p * r + SPLAT(1.6666665459e-1f);
-    p = p * r + SPLAT(5.0000001201e-1f);
-    p = p * r * r + r + SPLAT(1.0f);
-    return (v16)((i16)p + (ni << 23));
-}
+#include "vec16.h"
 
 /* Softmax of s[0..L) in place; returns 1 / (sum of exponentials). */
 static float softmax_row(float *s, int64_t L)

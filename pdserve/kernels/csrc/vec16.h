@@ -1,0 +1,59 @@
+/* Sixteen float32 lanes with GCC's vector extensions (one AVX-512 register, two AVX2 ones,
+ * or whatever the target has), and the few operations the kernels need on them. */
+#ifndef PDSERVE_VEC16_H
+#define PDSERVE_VEC16_H
+
+#include <stdint.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* unaligned access */
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+#define SPLAT(x) ((v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
+
+static inline v16 load16(const float *p) { return *(const v16u *)p; }
+static inline void store16(float *p, v16 x) { *(v16u *)p = x; }
+
+static inline v16 vselect(i16 take_a, v16 a, v16 b)
+{
+    return (v16)(((i16)a & take_a) | ((i16)b & ~take_a));
+}
+
+static inline v16 vmax(v16 a, v16 b) { return vselect(a > b, a, b); }
+static inline v16 vmin(v16 a, v16 b) { return vselect(a < b, a, b); }
+
+static inline float hsum(v16 x)
+{
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+static inline float hmax(v16 x)
+{
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* e^x for |x| <= 87 (clamped beyond): 2^n e^r with n = floor(x / ln 2 + 1/2), |r| <= ln(2)/2,
+ * and Cephes' expf polynomial for e^r (about 1 ulp). */
+static inline v16 exp16(v16 x)
+{
+    x = vmin(vmax(x, SPLAT(-87.0f)), SPLAT(87.0f));
+    const v16 y = x * SPLAT(1.44269504f) + SPLAT(0.5f);
+    i16 ni = __builtin_convertvector(y, i16);             /* toward zero */
+    ni += (i16)(__builtin_convertvector(ni, v16) > y);    /* true is -1: now floor(y) */
+    const v16 n = __builtin_convertvector(ni, v16);
+    const v16 r = x - n * SPLAT(0.693359375f) + n * SPLAT(2.12194440e-4f);
+    v16 p = SPLAT(1.9875691500e-4f);
+    p = p * r + SPLAT(1.3981999507e-3f);
+    p = p * r + SPLAT(8.3334519073e-3f);
+    p = p * r + SPLAT(4.1665795894e-2f);
+    p = p * r + SPLAT(1.6666665459e-1f);
+    p = p * r + SPLAT(5.0000001201e-1f);
+    p = p * r * r + r + SPLAT(1.0f);
+    return (v16)((i16)p + (ni << 23));
+}
+
+#endif
