@@ -4,7 +4,6 @@ read them. No model weights needed."""
 
 from __future__ import annotations
 
-
 import json
 
 import jsonschema
@@ -20,21 +19,8 @@ from pdserve.gateway.protocol import (
 )
 from pdserve.structured_outputs import GrammarSpec
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-    "required": ["name"],
-}
+from structured_fixtures import SCHEMA, STRUCTURAL_TAG
 
-STRUCTURAL_TAG = {
-    "structures": [{"begin": "<function=get_weather>",
-                    "schema": {"type": "object", "properties": {"city": {"type": "string"}}},
-                    "end": "</function>"}],
-    "triggers": ["<function="],
-}
 
 TOOLS = [
     {"type": "function", "function": {

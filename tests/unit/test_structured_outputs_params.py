@@ -18,21 +18,8 @@ from pdserve.services.convert import (
 )
 from pdserve.structured_outputs import GrammarSpec, StructuredOutputsParams
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-    "required": ["name"],
-}
+from structured_fixtures import SCHEMA, STRUCTURAL_TAG
 
-STRUCTURAL_TAG = {
-    "structures": [{"begin": "<function=get_weather>",
-                    "schema": {"type": "object", "properties": {"city": {"type": "string"}}},
-                    "end": "</function>"}],
-    "triggers": ["<function="],
-}
 
 # One valid constructor argument per kind, and the spec kind it must give.
 KINDS = {
