@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_decode
+from pdserve.kernels import cpu_decode, cpu_prefill
 
 
 @dataclass
@@ -366,13 +366,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     With `softcap` (scores -> softcap * tanh(scores / softcap)) or `sliding_window` (a query
     at position p sees keys p - sliding_window + 1 .. p) set, attention takes the simple
-    explicit-score path (`masked_attention`); otherwise the fast paths below: decodes through
-    the native CPU kernel where it applies (cpu_decode.py), else the torch plans above."""
+    explicit-score path (`masked_attention`); otherwise the fast paths below: decodes and
+    prefills through the native CPU kernels where they apply (cpu_decode.py, cpu_prefill.py),
+    else the torch plans and SDPA above."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if softcap is not None or sliding_window is not None:
         return _masked_paged_attention(q, k_cache, v_cache, meta, scale, softcap,
                                        sliding_window)
-    if meta.num_decodes and cpu_decode.supports(q, k_cache, v_cache):
+    native = cpu_decode.supports(q, k_cache, v_cache)
+    if meta.num_decodes and native:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         cpu_decode.decode_into(out, q, k_cache, v_cache, meta.decode_block_tables,
                                meta.decode_seq_lens, meta.decode_token_idx, scale)
@@ -387,5 +389,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out = torch.empty_like(q)
     for span in meta.prefills:
         s, e = span.token_start, span.token_end
-        out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale)
+        if native:
+            cpu_prefill.prefill_into(out[s:e], q[s:e], k_cache, v_cache, span.block_table,
+                                     span.context_len, scale)
+        else:
+            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale)
     return out

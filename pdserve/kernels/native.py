@@ -24,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "elementwise.c")
+SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c")
 HEADERS = ("vec16.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
@@ -38,6 +38,10 @@ _SIGNATURES = {
     # lens, rows, B, h, scale, out, num_threads
     "paged_decode_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
                          _ptr, _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int],
+    # q, q_stride, k_cache, v_cache, num_blocks, block_size, kvh, d, table, table_len, n, L,
+    # h, scale, out, out_stride, num_threads
+    "paged_prefill_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
+                          _i64, _i64, ctypes.c_float, _ptr, _i64, ctypes.c_int],
     # x, x_stride, w, out, out_stride, rows, n, eps, num_threads
     "rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int],
     # x, x_stride, delta, delta_stride, w, out, out_stride, rows, n, eps, num_threads

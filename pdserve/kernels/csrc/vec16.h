@@ -22,18 +22,29 @@ static inline v16 vselect(i16 take_a, v16 a, v16 b)
 static inline v16 vmax(v16 a, v16 b) { return vselect(a > b, a, b); }
 static inline v16 vmin(v16 a, v16 b) { return vselect(a < b, a, b); }
 
+/* Horizontal sum and maximum: halve the vector four times (shuffles, not sixteen scalar steps). */
+#define HALVE(x, op)                                                                        \
+    x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5,    \
+                                      6, 7));                                                \
+    x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10,  \
+                                      11));                                                  \
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12,  \
+                                      13));                                                  \
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,  \
+                                      14))
+
+static inline v16 vadd(v16 a, v16 b) { return a + b; }
+
 static inline float hsum(v16 x)
 {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
+    HALVE(x, vadd);
+    return x[0];
 }
 
 static inline float hmax(v16 x)
 {
-    float m = x[0];
-    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
-    return m;
+    HALVE(x, vmax);
+    return x[0];
 }
 
 /* e^x for |x| <= 87 (clamped beyond): 2^n e^r with n = floor(x / ln 2 + 1/2), |r| <= ln(2)/2,

@@ -1,0 +1,247 @@
+/* Prefill attention over the paged KV cache, float32, for CPUs: flash-style, register-tiled.
+ *
+ * One sequence's n new tokens attend causally over its context of L tokens, the new ones last
+ * and already written to the cache: query i (position L - n + i) sees keys 0 .. L - n + i.
+ * A work item is one KV head and a tile of up to QUERY_TILE query tokens (fewer when that
+ * leaves threads without several items each); its rows are the
+ * (token, query head) pairs that share that KV head. The item walks the keys its rows can see
+ * in tiles of KEY_TILE, copying each tile out of the cache blocks once (keys transposed,
+ * values as they are). Then, for each group of ROW_GROUP rows, it computes the group's scores
+ * in registers (one broadcast query element times four vectors of keys per step), updates
+ * each row's running maximum and sum (online softmax), and adds the probability-weighted
+ * values to the rows' accumulators, four vectors of columns at a time, again in registers.
+ * No score matrix is built, and key tiles a row cannot see are skipped.
+ *
+ * Layouts (float32): q row i at q + i * q_stride (h heads of d values contiguous); kc, vc
+ * (num_blocks, block_size, kvh, d) contiguous; table: the sequence's blocks (table_len of
+ * them); out row i at out + i * out_stride. Returns 0; -1 for an unsupported shape; -2 when
+ * scratch memory could not be had; -3 when n, L or the table do not fit the cache (checked
+ * first: nothing is read out of bounds).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec16.h"
+
+#define QUERY_TILE 64  /* query tokens per work item, at most */
+#define MIN_QUERY_TILE 8
+#define KEY_TILE 64    /* keys per tile: four vectors of scores per row */
+#define ROW_GROUP 6    /* rows whose scores (6 x 4 vectors) stay in registers together */
+
+static const v16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* One thread's scratch: rows = QUERY_TILE * G at most. */
+typedef struct {
+    float *qs;  /* (rows, D) the item's queries, scaled */
+    float *o;   /* (rows, D) unnormalised outputs */
+    float *m;   /* (rows,) running maximum score */
+    float *l;   /* (rows,) running sum of exponentials */
+    float *kt;  /* (D, KEY_TILE) the key tile, transposed */
+    const float **v;  /* (KEY_TILE,) where each of the tile's values lies in the cache */
+    float *p;   /* (ROW_GROUP, KEY_TILE) one group's probabilities */
+} scratch;
+
+/* Copy keys k0 .. k0 + nk - 1 out of the cache blocks, transposed (the tile's tail zeroed),
+ * and note where their values lie. */
+static inline __attribute__((always_inline)) void
+pack_tile(const float *kc, const float *vc, const int64_t *table, int64_t bs,
+          int64_t row_stride, int64_t k0, int64_t nk, float *kt, const float **v,
+          const int64_t D)
+{
+    for (int64_t j = 0; j < KEY_TILE; j++) {
+        if (j < nk) {
+            const int64_t t = k0 + j, slot = table[t / bs] * bs + t % bs;
+            const float *k = kc + slot * row_stride;
+            for (int64_t e = 0; e < D; e++) kt[e * KEY_TILE + j] = k[e];
+            v[j] = vc + slot * row_stride;
+        } else {
+            for (int64_t e = 0; e < D; e++) kt[e * KEY_TILE + j] = 0.f;
+        }
+    }
+}
+
+/* Rows r0 .. r0 + ROW_GROUP - 1 (those below `rows`) against one key tile starting at k0;
+ * row r is token r / G of the item, at position pos0 + r / G. */
+static inline __attribute__((always_inline)) void
+row_group(const scratch *w, int64_t r0, int64_t rows, int64_t k0, int64_t nk, int64_t pos0,
+          int64_t G, const int64_t D)
+{
+    const int64_t nr = rows - r0 < ROW_GROUP ? rows - r0 : ROW_GROUP;
+    int64_t row[ROW_GROUP];  /* rows past the end repeat the last one and are not stored */
+    for (int i = 0; i < ROW_GROUP; i++) row[i] = r0 + (i < nr ? i : nr - 1);
+
+    v16 s[ROW_GROUP][4];
+    for (int i = 0; i < ROW_GROUP; i++)
+        for (int c = 0; c < 4; c++) s[i][c] = SPLAT(0.f);
+    for (int64_t e = 0; e < D; e++) {
+        const float *kt = w->kt + e * KEY_TILE;
+        const v16 k[4] = {load16(kt), load16(kt + 16), load16(kt + 32), load16(kt + 48)};
+        #pragma GCC unroll 6
+        for (int i = 0; i < ROW_GROUP; i++) {
+            const v16 qe = SPLAT(w->qs[row[i] * D + e]);
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) s[i][c] += qe * k[c];
+        }
+    }
+
+    float alpha[ROW_GROUP];
+    for (int i = 0; i < ROW_GROUP; i++) {
+        const int64_t r = row[i];
+        const int64_t seen = pos0 + r / G - k0 + 1;  /* keys of the tile this row sees */
+        if (seen < KEY_TILE)
+            for (int c = 0; c < 4; c++)
+                s[i][c] = vselect(LANES + SPLAT((float)(16 * c)) >= SPLAT((float)seen),
+                                  SPLAT(-INFINITY), s[i][c]);
+        const float top = hmax(vmax(vmax(s[i][0], s[i][1]), vmax(s[i][2], s[i][3])));
+        const float m_new = top > w->m[r] ? top : w->m[r];
+        alpha[i] = expf(w->m[r] - m_new);
+        v16 sum = SPLAT(0.f);
+        for (int c = 0; c < 4; c++) {
+            v16 p = exp16(s[i][c] - SPLAT(m_new));
+            if (seen < KEY_TILE)
+                p = vselect(LANES + SPLAT((float)(16 * c)) >= SPLAT((float)seen), SPLAT(0.f), p);
+            store16(w->p + i * KEY_TILE + 16 * c, p);
+            sum += p;
+        }
+        if (i < nr) {
+            w->l[r] = w->l[r] * alpha[i] + hsum(sum);
+            w->m[r] = m_new;
+        }
+    }
+
+    /* the group's last row sees the most keys */
+    const int64_t seen_max = pos0 + row[ROW_GROUP - 1] / G - k0 + 1;
+    const int64_t keys = seen_max < nk ? seen_max : nk;
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        v16 acc[ROW_GROUP][4];
+        #pragma GCC unroll 6
+        for (int i = 0; i < ROW_GROUP; i++)
+            for (int c = 0; c < 4; c++)
+                acc[i][c] = load16(w->o + row[i] * D + c0 + 16 * c) * SPLAT(alpha[i]);
+        for (int64_t j = 0; j < keys; j++) {
+            const float *vt = w->v[j] + c0;
+            const v16 v[4] = {load16(vt), load16(vt + 16), load16(vt + 32), load16(vt + 48)};
+            #pragma GCC unroll 6
+            for (int i = 0; i < ROW_GROUP; i++) {
+                const v16 pj = SPLAT(w->p[i * KEY_TILE + j]);
+                #pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) acc[i][c] += pj * v[c];
+            }
+        }
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < 4; c++) store16(w->o + row[i] * D + c0 + 16 * c, acc[i][c]);
+    }
+}
+
+/* Query tokens i0 .. i1 - 1 of one KV head (its G query heads). */
+static inline __attribute__((always_inline)) void
+prefill_item(const float *q, int64_t q_stride, const float *kc, const float *vc,
+             const int64_t *table, int64_t bs, int64_t row_stride, int64_t past, int64_t i0,
+             int64_t i1, int64_t G, float scale, float *out, int64_t out_stride,
+             const scratch *w, const int64_t D)
+{
+    const int64_t rows = (i1 - i0) * G;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = q + (i0 + r / G) * q_stride + (r % G) * D;
+        for (int64_t e = 0; e < D; e += 16) {
+            store16(w->qs + r * D + e, load16(src + e) * SPLAT(scale));
+            store16(w->o + r * D + e, SPLAT(0.f));
+        }
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.f;
+    }
+    const int64_t last = past + i1 - 1;  /* the item's last query position */
+    for (int64_t k0 = 0; k0 <= last; k0 += KEY_TILE) {
+        const int64_t nk = last + 1 - k0 < KEY_TILE ? last + 1 - k0 : KEY_TILE;
+        pack_tile(kc, vc, table, bs, row_stride, k0, nk, w->kt, w->v, D);
+        const int64_t first = k0 > past + i0 ? k0 - past - i0 : 0;  /* first token seeing k0 */
+        for (int64_t r0 = first * G; r0 < rows; r0 += ROW_GROUP)
+            row_group(w, r0, rows, k0, nk, past + i0, G, D);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + (i0 + r / G) * out_stride + (r % G) * D;
+        const v16 inv = SPLAT(1.f / w->l[r]);
+        for (int64_t e = 0; e < D; e += 16) store16(dst + e, load16(w->o + r * D + e) * inv);
+    }
+}
+
+static void prefill_item_64(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                            const int64_t *table, int64_t bs, int64_t row_stride, int64_t past,
+                            int64_t i0, int64_t i1, int64_t G, float scale, float *out,
+                            int64_t out_stride, const scratch *w)
+{
+    prefill_item(q, q_stride, kc, vc, table, bs, row_stride, past, i0, i1, G, scale, out,
+                 out_stride, w, 64);
+}
+
+static void prefill_item_128(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                             const int64_t *table, int64_t bs, int64_t row_stride, int64_t past,
+                             int64_t i0, int64_t i1, int64_t G, float scale, float *out,
+                             int64_t out_stride, const scratch *w)
+{
+    prefill_item(q, q_stride, kc, vc, table, bs, row_stride, past, i0, i1, G, scale, out,
+                 out_stride, w, 128);
+}
+
+static int scratch_alloc(scratch *w, int64_t rows, int64_t d)
+{
+    const size_t f = sizeof(float);
+    w->qs = aligned_alloc(64, f * rows * d);
+    w->o = aligned_alloc(64, f * rows * d);
+    w->m = malloc(f * rows);
+    w->l = malloc(f * rows);
+    w->kt = aligned_alloc(64, f * d * KEY_TILE);
+    w->v = malloc(sizeof(float *) * KEY_TILE);
+    w->p = aligned_alloc(64, f * ROW_GROUP * KEY_TILE);
+    return w->qs && w->o && w->m && w->l && w->kt && w->v && w->p;
+}
+
+static void scratch_free(scratch *w)
+{
+    free(w->qs);
+    free(w->o);
+    free(w->m);
+    free(w->l);
+    free(w->kt);
+    free(w->v);
+    free(w->p);
+}
+
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                      int64_t num_blocks, int64_t bs, int64_t kvh, int64_t d,
+                      const int64_t *table, int64_t table_len, int64_t n, int64_t L, int64_t h,
+                      float scale, float *out, int64_t out_stride, int num_threads)
+{
+    if ((d != 64 && d != 128) || kvh < 1 || h % kvh || bs < 1) return -1;
+    if (n < 1 || n > L || L > table_len * bs) return -3;
+    for (int64_t i = 0; i < (L + bs - 1) / bs; i++)
+        if (table[i] < 0 || table[i] >= num_blocks) return -3;
+    const int64_t G = h / kvh;
+    int64_t size = QUERY_TILE;  /* query tokens per item */
+    while (size > MIN_QUERY_TILE && kvh * ((n + size - 1) / size) < 4 * num_threads) size /= 2;
+    const int64_t tiles = (n + size - 1) / size, items = kvh * tiles;
+    const int threads = items < num_threads ? (int)items : num_threads;
+    int out_of_memory = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        scratch w;
+        const int ready = scratch_alloc(&w, QUERY_TILE * G, d);
+        if (!ready) {
+            #pragma omp atomic write
+            out_of_memory = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (!ready) continue;
+            /* the longest items (the last query tiles) first */
+            const int64_t tile = tiles - 1 - item / kvh, g = item % kvh;
+            const int64_t i0 = tile * size, i1 = i0 + size < n ? i0 + size : n;
+            (d == 64 ? prefill_item_64 : prefill_item_128)(
+                q + g * G * d, q_stride, kc + g * d, vc + g * d, table, bs, kvh * d, L - n, i0,
+                i1, G, scale, out + g * G * d, out_stride, &w);
+        }
+        scratch_free(&w);
+    }
+    return out_of_memory ? -2 : 0;
+}
