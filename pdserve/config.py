@@ -93,6 +93,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # CPU: the share of total RAM for the KV cache; CUDA: replaces gpu_memory_utilization.
     kv_cache_memory_fraction: float | None = None
+    # CPU: fault every page of the cache in at start (kv_transfer/transport.py: prefault).
+    kv_cache_prefault: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

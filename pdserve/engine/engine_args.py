@@ -37,6 +37,7 @@ class EngineArgs:
     kv_cache_memory_fraction: float | None = None
     gpu_memory_utilization: float = 0.92
     enable_prefix_caching: bool = True
+    kv_cache_prefault: bool = False
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
@@ -97,7 +98,7 @@ class EngineArgs:
             served_model_name=vllm_args.served_names(self.served_model_name))
         cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization, self.enable_prefix_caching,
-                            self.kv_cache_memory_fraction)
+                            self.kv_cache_memory_fraction, self.kv_cache_prefault)
         prefill_cap = self.max_prefill_tokens_with_decodes
         if prefill_cap is None and device.device == "cpu":
             prefill_cap = CPU_PREFILL_TOKENS_WITH_DECODES
@@ -177,6 +178,10 @@ _HELP = {
     "gpu_memory_utilization": "on CUDA, the share of GPU memory the engine may use (weights "
                               "and KV cache); not used on CPU",
     "enable_prefix_caching": "reuse the KV blocks of earlier prompts' common prefixes",
+    "kv_cache_prefault": "on CPU, touch every page of the KV cache when the engine starts "
+                         "(seconds per GiB; the whole cache then resident, as vLLM's CPU "
+                         "build always does), so that no step pays the page faults of a "
+                         "block's first use (default: pages are mapped on first use)",
     "max_num_batched_tokens": "most tokens one engine step computes",
     "max_num_seqs": "most requests running at once",
     "scheduling_policy": "fcfs: first come, first served; priority: lower priority value first",

@@ -16,17 +16,21 @@ from pdserve.engine.scheduler import ModelRunnerOutput, ScheduledChunk, Schedule
 from pdserve.kernels import native
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
 from pdserve.kv_transfer.connector import KVConnector
+from pdserve.kv_transfer.transport import prefault
 from pdserve.models.llama import LlamaForCausalLM
 
 
 def allocate_kv_cache(config: EngineConfig, num_blocks: int,
                       connector: KVConnector) -> torch.Tensor:
     """Zeroed cache of shape (layers, 2, num_blocks, block_size, kv_heads, head_dim), in
-    memory the KV connector can serve from."""
+    memory the KV connector can serve from; every page faulted in with kv_cache_prefault."""
     arch = config.model.arch
     shape = (arch.num_hidden_layers, 2, num_blocks, config.cache.block_size,
              arch.num_key_value_heads, arch.head_dim)
-    return connector.allocate_kv_cache(shape, config.model.dtype, config.device.device)
+    cache = connector.allocate_kv_cache(shape, config.model.dtype, config.device.device)
+    if config.cache.kv_cache_prefault:
+        prefault(cache)
+    return cache
 
 
 class ModelRunner:

@@ -118,6 +118,16 @@ class KVLayout:
             raise KVTransferError(f"KV layouts differ (remote, local): {diff}")
 
 
+def prefault(cache: torch.Tensor) -> None:
+    """Write a zero into every page of a zeroed CPU cache, so that the OS maps them all now
+    rather than on each block's first use (a page fault per 4 KiB in the step that writes
+    it). A no-op off CPU."""
+    if cache.device.type != "cpu" or cache.numel() == 0:
+        return
+    per_page = max(1, mmap.PAGESIZE // cache.element_size())
+    cache.view(-1)[::per_page].zero_()
+
+
 def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
                     device: str | torch.device = "cpu") -> torch.Tensor:
     """A zeroed cache tensor. On CPU it lives in an anonymous mapping, whose pages the OS
