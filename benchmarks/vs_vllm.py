@@ -95,6 +95,7 @@ def serving(args, concurrency: int, scratch: Path) -> dict:
            "--vllm-model", str(args.hf_dir), "--concurrency", str(concurrency),
            "--num-prompts", str(args.serving_prompts), "--input-len", "256", "256",
            "--output-len", "64", "64", "--kv-cache-memory-bytes", str(2 << 30),
+           "--engine-args=--kv-cache-prefault",  # resident from the start, as vLLM's is
            "--out", str(path)]
     subprocess.run(cmd, check=False, timeout=7200)
     data = json.loads(path.read_text())
