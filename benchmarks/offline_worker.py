@@ -7,9 +7,10 @@ Workloads (random token ids from [100, vocab), fixed seed, greedy, `ignore_eos`)
 - `prefill`: cold prefill, 3 prompts of 2,000 tokens, one at a time, 1 output token each
   (`s_per_request`: the mean time of one; the warm-up's prompt shares no prefix with them).
 Both systems' KV caches are resident from the start (vLLM's CPU build always zero-fills its
-cache; pdserve is given `kv_cache_prefault`), so neither pays first-use page faults in the timed
-part. A small warm-up runs first; the timed `generate` reports wall time and this process's CPU time
-(vLLM runs its engine in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0). Prints one JSON line.
+cache; pdserve is given `kv_cache_prefault`), so neither pays first-use page faults in the
+timed part. A small warm-up runs first; the timed `generate` reports wall time and this
+process's CPU time (vLLM runs its engine in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
+Prints one JSON line.
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@
  * One sequence's n new tokens attend causally over its context of L tokens, the new ones last
  * and already written to the cache: query i (position L - n + i) sees keys 0 .. L - n + i.
  * A work item is one KV head and a tile of up to QUERY_TILE query tokens (fewer when that
- * leaves threads without several items each); its rows are the
- * (token, query head) pairs that share that KV head. The item walks the keys its rows can see
- * in tiles of KEY_TILE, copying each tile out of the cache blocks once (keys transposed,
- * values as they are). Then, for each group of ROW_GROUP rows, it computes the group's scores
- * in registers (one broadcast query element times four vectors of keys per step), updates
- * each row's running maximum and sum (online softmax), and adds the probability-weighted
- * values to the rows' accumulators, four vectors of columns at a time, again in registers.
- * No score matrix is built, and key tiles a row cannot see are skipped.
+ * would leave a thread without several items); its rows are the (token, query head) pairs
+ * that share that KV head. The item walks the keys its rows can see in tiles of KEY_TILE,
+ * copying each tile's keys out of the cache blocks once, transposed (values are read where
+ * they lie). Then, for each group of ROW_GROUP rows, it computes the group's scores in
+ * registers (one broadcast query element times four vectors of keys per step), updates each
+ * row's running maximum and sum (online softmax), and adds the probability-weighted values to
+ * the rows' accumulators, four vectors of columns at a time, again in registers. No score
+ * matrix is built, and key tiles a row cannot see are skipped.
  *
  * Layouts (float32): q row i at q + i * q_stride (h heads of d values contiguous); kc, vc
  * (num_blocks, block_size, kvh, d) contiguous; table: the sequence's blocks (table_len of
@@ -20,7 +20,6 @@
  */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "vec16.h"
 
