@@ -55,6 +55,18 @@ static inline void prefetch_rows(const float *base, int64_t n, int64_t stride, i
         for (int64_t e = 0; e < d; e += 16) __builtin_prefetch(base + o * stride + e, 0, 3);
 }
 
+/* The first row of the block holding token t0 (a block's first token) of one KV head, after
+ * asking for the next block's rows. */
+static inline const float *block_rows(const float *cache, const int64_t *table, int64_t t0,
+                                      int64_t L, int64_t bs, int64_t row_stride, int64_t d)
+{
+    const int64_t next = t0 + bs;
+    if (next < L)
+        prefetch_rows(cache + table[next / bs] * bs * row_stride, L - next < bs ? L - next : bs,
+                      row_stride, d);
+    return cache + table[t0 / bs] * bs * row_stride;
+}
+
 /* One (sequence, KV head): q (G, D) -> out (G, D); scores: G * L floats of scratch. */
 #define DEFINE_ATTEND(D)                                                                    \
 static void attend_##D(const float *q, const float *kc, const float *vc,                     \
@@ -67,10 +79,8 @@ static void attend_##D(const float *q, const float *kc, const float *vc,        
         for (int c = 0; c < C; c++) qj[c] = load16(q + j * D + 16 * c) * SPLAT(scale);      \
         float *s = scores + j * L;                                                           \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
-            const float *kb = kc + table[t0 / bs] * bs * row_stride;                         \
+            const float *kb = block_rows(kc, table, t0, L, bs, row_stride, D);               \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
-            if (t0 + bs < L) prefetch_rows(kc + table[t0 / bs + 1] * bs * row_stride,        \
-                                           L - t0 - bs < bs ? L - t0 - bs : bs, row_stride, D); \
             for (int64_t o = 0; o < n; o++) {                                                \
                 const float *k = kb + o * row_stride;                                        \
                 v16 acc = qj[0] * load16(k);                                                 \
@@ -85,10 +95,8 @@ static void attend_##D(const float *q, const float *kc, const float *vc,        
         v16 acc[C];                                                                          \
         for (int c = 0; c < C; c++) acc[c] = SPLAT(0.f);                                     \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
-            const float *vb = vc + table[t0 / bs] * bs * row_stride;                         \
+            const float *vb = block_rows(vc, table, t0, L, bs, row_stride, D);               \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
-            if (t0 + bs < L) prefetch_rows(vc + table[t0 / bs + 1] * bs * row_stride,        \
-                                           L - t0 - bs < bs ? L - t0 - bs : bs, row_stride, D); \
             for (int64_t o = 0; o < n; o++) {                                                \
                 const v16 p = SPLAT(s[t0 + o]);                                              \
                 const float *v = vb + o * row_stride;                                        \
