@@ -1,11 +1,18 @@
-"""Linear layers whose weights are also packed once for oneDNN, the CPU's GEMM library.
+"""Linear layers whose float32 CPU weights are packed once, at load time, for a faster GEMM.
 
-`F.linear` hands MKL the row-major (out, in) weight at every call; from 4 to a few dozen rows
-(a decode step's handful of sequences) MKL then runs well below the memory bandwidth that
-reading the weights needs. oneDNN's blocked weight layout, made once at load time, runs those
-shapes 20-35% faster in float32 and large prefill batches about as fast; for 1-3 rows MKL's
-matrix-vector path on the plain weight is faster still (benchmarks/linear_cpu.py). So the
-layer keeps both layouts, which doubles the memory of its weights.
+`F.linear` hands MKL the row-major (out, in) weight at every call, and for the few rows of a
+decode step MKL runs far below the memory bandwidth that reading the weights needs. Two packed
+layouts serve instead (benchmarks/linear_cpu.py has the numbers):
+
+- **panels** (the default where the native kernels build): panels of 32 outputs, k-major, for
+  `csrc/linear.c`. A decode step streams each weight once at memory speed (1.2-1.5x oneDNN from
+  1 to 64 rows on SmolLM2's shapes), prefill batches run level with oneDNN, and a row's result
+  does not depend on the other rows of the batch.
+- **onednn**: oneDNN's blocked layout, 20-35% faster than F.linear from 4 to a few dozen rows,
+  with MKL's matrix-vector path on the plain weight below 4 rows.
+
+Either way the layer keeps the plain weight too (shared with the model, e.g. a tied embedding),
+so its weights take twice their memory.
 """
 
 from __future__ import annotations
@@ -14,36 +21,72 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_MIN_ROWS = 4  # below this, the plain weight is faster
+from pdserve.kernels import native
+
+PANEL = 32  # outputs per panel of csrc/linear.c's layout
+ONEDNN_MIN_ROWS = 4  # below this, MKL on the plain weight beats oneDNN's layout
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN packing applies to float32 weights on CPU, where torch was built with it."""
+    """Packing applies to float32 weights on CPU, where the native kernels or oneDNN exist."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+            and (native.load() is not None or torch.backends.mkldnn.is_available()))
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """(out, in) -> (ceil(out / 32), in, 32), zero past `out`: panel p, row k holds outputs
+    32p .. 32p + 31 of input k."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL)
+    padded = weight.new_zeros(num_panels * PANEL, in_features)
+    padded[:out_features] = weight
+    return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b on the plain or the packed weight, by row count; x: (T, in) -> (T, out)."""
+    """y = x W^T + b on a packed weight; x: (T, in) -> (T, out)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """weight: (out, in), shared (not copied) and packed; bias: (out,) or None."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 layout: str | None = None):
+        """weight: (out, in), shared (not copied) and packed; bias: (out,) or None; layout:
+        "panels" or "onednn", by default panels where the native kernels are built."""
         super().__init__()
+        self.layout = layout or ("panels" if native.load() is not None else "onednn")
+        if self.layout not in ("panels", "onednn"):
+            raise ValueError(f"layout must be 'panels' or 'onednn', not {self.layout!r}")
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.detach(), persistent=False)
-        self.register_buffer("packed_weight",
-                             torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+        weight = weight.detach()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous(),
                              persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        packed = (pack_panels(weight) if self.layout == "panels"
+                  else torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        self.register_buffer("packed_weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < PACKED_MIN_ROWS:
+        if self.layout == "panels":
+            if x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu":
+                return self._panels(x)
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] < ONEDNN_MIN_ROWS:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                   [], "")
 
+    def _panels(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        native.load().linear_f32(x.data_ptr(), x.stride(0), x.shape[0],
+                                 self.packed_weight.data_ptr(), self.out_features,
+                                 self.in_features, bias, out.data_ptr(), out.stride(0),
+                                 torch.get_num_threads())
+        return out
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"layout={self.layout}")
 
 
 def pack_linears(model: nn.Module) -> int:

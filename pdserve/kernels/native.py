@@ -24,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c")
+SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "linear.c")
 HEADERS = ("vec16.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
@@ -49,10 +49,12 @@ _SIGNATURES = {
                          ctypes.c_int],
     # gate_up, gate_up_stride, out, out_stride, rows, n, num_threads
     "silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int],
+    # x, x_stride, rows, panels, n, k, bias (or NULL), out, out_stride, num_threads
+    "linear_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int],
     # x, row_stride, rows, heads, head_dim, cos, sin, num_threads
     "rotary_f32": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int],
 }
-_VOID = {"rms_norm_f32", "add_rms_norm_f32", "silu_mul_f32", "rotary_f32"}
+_VOID = {"rms_norm_f32", "add_rms_norm_f32", "silu_mul_f32", "rotary_f32", "linear_f32"}
 
 
 def _compiler() -> str | None:

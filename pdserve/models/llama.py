@@ -211,9 +211,8 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def pack_for_cpu(self) -> None:
-        """Once the weights are loaded: every projection also in oneDNN's packed layout when
-        it applies (float32 on CPU), the tied LM head too (4-8 sequences' logits ~1.8x faster;
-        kernels/cpu_linear.py)."""
+        """Once the weights are loaded: every projection also in a packed layout when it
+        applies (float32 on CPU), the tied LM head too (kernels/cpu_linear.py)."""
         pack_linears(self)
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
             self.lm_head = PackedLinear(self.embed_tokens.weight)
