@@ -126,11 +126,17 @@ class SchedulerConfig:
     # Most prompt tokens one step computes while other requests are decoding (None: no bound
     # beyond max_num_batched_tokens): bounds the pause a new prompt puts into running streams.
     max_prefill_tokens_with_decodes: int | None = None
+    # Raises that bound to this many prompt tokens per decoding request, when that is more: a
+    # step of many decodes is long already, so the same prompt tokens stretch it less.
+    prefill_tokens_per_decode: int | None = None
 
     def __post_init__(self) -> None:
         cap = self.max_prefill_tokens_with_decodes
         if cap is not None and cap < 1:
             raise ValueError(f"max_prefill_tokens_with_decodes must be >= 1, got {cap}")
+        per = self.prefill_tokens_per_decode
+        if per is not None and per < 1:
+            raise ValueError(f"prefill_tokens_per_decode must be >= 1, got {per}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, "
                              f"got {self.max_num_batched_tokens}")

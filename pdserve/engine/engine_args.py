@@ -45,6 +45,7 @@ class EngineArgs:
     kv_lease_s: float = 30.0
     kv_failure_policy: str = "recompute"
     max_prefill_tokens_with_decodes: int | None = None
+    prefill_tokens_per_decode: int | None = None
     device: str = "auto"
     # vLLM's arguments
     tokenizer_mode: str = "auto"
@@ -99,12 +100,17 @@ class EngineArgs:
         cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization, self.enable_prefix_caching,
                             self.kv_cache_memory_fraction, self.kv_cache_prefault)
-        prefill_cap = self.max_prefill_tokens_with_decodes
-        if prefill_cap is None and device.device == "cpu":
-            prefill_cap = CPU_PREFILL_TOKENS_WITH_DECODES
+        prefill_cap, per_decode = (self.max_prefill_tokens_with_decodes,
+                                   self.prefill_tokens_per_decode)
+        if device.device == "cpu":
+            if prefill_cap is None:
+                prefill_cap = CPU_PREFILL_TOKENS_WITH_DECODES
+            if per_decode is None:
+                per_decode = CPU_PREFILL_TOKENS_PER_DECODE
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                     self.scheduling_policy, self.enable_chunked_prefill,
-                                    self.kv_lease_s, self.kv_failure_policy, prefill_cap)
+                                    self.kv_lease_s, self.kv_failure_policy, prefill_cap,
+                                    per_decode)
         config = EngineConfig(model, cache, scheduler, device)
         vllm_args.log_ignored(self)
         return config
@@ -157,9 +163,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "tokenizer_mode": TOKENIZER_MODES,
     "quantization": ("gguf",),
 }
-# On CPU a step's time grows with its tokens: 256 prompt tokens add about 0.2 s (SmolLM2-135M,
-# 2 cores) to the step every running stream waits for (benchmarks/results/serving_stalls.md).
-CPU_PREFILL_TOKENS_WITH_DECODES = 256
+# On CPU a step's time grows with its tokens: 64 prompt tokens add about 40 ms (SmolLM2-135M,
+# 2 cores) to the step every running stream waits for, 256 about 0.15 s. With 8 decodes (a
+# 20 ms step) 64 keeps the pause short at no cost in throughput; with 32 or more (40 ms and up)
+# 256 or more keep throughput 15% higher than 64 (benchmarks/results/serving_stalls.md).
+CPU_PREFILL_TOKENS_WITH_DECODES = 64
+CPU_PREFILL_TOKENS_PER_DECODE = 8
 _IGNORED_HELP = "accepted for vLLM compatibility; ignored here (logged once)"
 _HELP = {
     "model": f"the model: {DEFAULT_MODEL} (bundled), a Hugging Face directory or a .gguf file",
@@ -188,8 +197,10 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps so that decodes keep going",
     "max_prefill_tokens_with_decodes": "most prompt tokens a step computes while requests are "
                                        "decoding: bounds the pause a new prompt puts into "
-                                       "running streams (default: 256 on CPU, no bound on "
+                                       "running streams (default: 64 on CPU, no bound on "
                                        "GPU)",
+    "prefill_tokens_per_decode": "raise that bound to this many prompt tokens per decoding "
+                                 "request when that is more (default: 8 on CPU)",
     "kv_lease_s": "seconds a prefill instance keeps a finished prompt's KV for the decode side",
     "kv_failure_policy": "when a KV pull fails: recompute the prompt on decode, or fail the "
                          "request",

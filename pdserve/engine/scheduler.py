@@ -162,13 +162,15 @@ class Scheduler:
         return out
 
     def _prefill_budget(self) -> int:
-        """Prompt tokens this step may compute: max_prefill_tokens_with_decodes while a
-        running request is decoding (its next token waits for the whole step)."""
-        cap = self.config.max_prefill_tokens_with_decodes
-        if cap is None or not self.config.enable_chunked_prefill or not any(
-                r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+        """Prompt tokens this step may compute: while running requests are decoding (their
+        next tokens wait for the whole step), max_prefill_tokens_with_decodes, or
+        prefill_tokens_per_decode per decoding request when that is more."""
+        cap, per_decode = (self.config.max_prefill_tokens_with_decodes,
+                           self.config.prefill_tokens_per_decode)
+        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        if cap is None or not self.config.enable_chunked_prefill or not decoding:
             return self.config.max_num_batched_tokens
-        return cap
+        return max(cap, (per_decode or 0) * decoding)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         for request in self._waiting_in_order():

@@ -148,3 +148,22 @@ def test_prompt_tokens_beside_running_decodes_are_capped():
     assert [c.num_tokens for c in run_step(uncapped).chunks] == [1, 30]
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
         SchedulerConfig(max_prefill_tokens_with_decodes=0)
+
+
+def test_prompt_token_cap_grows_with_the_decoding_requests():
+    """prefill_tokens_per_decode raises the cap to that many tokens per decoding request once
+    that exceeds max_prefill_tokens_with_decodes; requests still in their prompt do not
+    count."""
+    sched, _ = make(num_blocks=128, max_num_batched_tokens=200,
+                    max_prefill_tokens_with_decodes=8, prefill_tokens_per_decode=3)
+    for i in range(4):
+        sched.add_request(req(f"d{i}", 4, max_tokens=50, first=20 + 10 * i))
+    assert sum(c.num_tokens for c in run_step(sched).chunks) == 16  # alone: the full budget
+    sched.add_request(req("p", 100, max_tokens=2, first=500))
+    chunks = {c.request.request_id: c.num_tokens for c in run_step(sched).chunks}
+    assert chunks == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "p": 12}  # 3 x 4 decoding > 8
+    sched.finish_requests(["d0", "d1"], RequestStatus.FINISHED_ABORTED)
+    chunks = {c.request.request_id: c.num_tokens for c in run_step(sched).chunks}
+    assert chunks == {"d2": 1, "d3": 1, "p": 8}  # 3 x 2 < 8: the base cap
+    with pytest.raises(ValueError, match="prefill_tokens_per_decode"):
+        SchedulerConfig(prefill_tokens_per_decode=0)

@@ -70,7 +70,7 @@ void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *pan
     #pragma omp parallel num_threads(num_threads)
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
         const int64_t r1 = r0 + block < rows ? r0 + block : rows;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
             const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
             float padded_bias[PANEL] = {0};
