@@ -1,9 +1,10 @@
-"""CPU linear layers: F.linear against oneDNN-packed weights (pdserve.kernels.cpu_linear).
+"""CPU linear layers: F.linear, oneDNN's packed layout and the native kernel's panels
+(pdserve.kernels.cpu_linear).
 
 Runs every projection of a model's decoder stack (random weights of SmolLM2-135M's shapes by
 default: 30 layers of qkv, o, gate_up and down, plus the tied LM head) at several row counts,
-alternating the two implementations, and prints JSON with milliseconds per pass and the
-ratio F.linear / packed (above 1: packed is faster).
+alternating the implementations, and prints JSON with milliseconds per pass and the ratios
+oneDNN / panels and F.linear / panels (above 1: the panels are faster).
 
     python benchmarks/linear_cpu.py [--rows 1 8 64 2048] [--repeats 5]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -44,29 +46,30 @@ def time_pass(fns: list, inputs: dict[int, torch.Tensor]) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 512, 2048])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512, 2048])
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.manual_seed(0)
     ws = weights(SMOLLM2_135M)
-    plain = [(w.shape[1], lambda x, w=w: F.linear(x, w)) for w in ws]
-    packed = [(w.shape[1], PackedLinear(w)) for w in ws]
+    impls = {"f_linear": [(w.shape[1], lambda x, w=w: F.linear(x, w)) for w in ws],
+             "onednn": [(w.shape[1], PackedLinear(w, layout="onednn")) for w in ws],
+             "panels": [(w.shape[1], PackedLinear(w, layout="panels")) for w in ws]}
     results = []
     with torch.inference_mode():
         for rows in args.rows:
             inputs = {n: torch.randn(rows, n) for n in {w.shape[1] for w in ws}}
-            times = {"f_linear": [], "packed": []}
+            times = {name: [] for name in impls}
             for _ in range(args.repeats + 1):  # the first round warms up, not counted
-                times["f_linear"].append(time_pass(plain, inputs))
-                times["packed"].append(time_pass(packed, inputs))
+                for name, fns in impls.items():
+                    times[name].append(time_pass(fns, inputs))
             ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
-            results.append({"rows": rows, "f_linear_ms": round(ms["f_linear"], 2),
-                            "packed_ms": round(ms["packed"], 2),
-                            "ratio": round(ms["f_linear"] / ms["packed"], 3)})
+            results.append({"rows": rows, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+                            "onednn_over_panels": round(ms["onednn"] / ms["panels"], 3),
+                            "f_linear_over_panels": round(ms["f_linear"] / ms["panels"], 3)})
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"command": " ".join(["python benchmarks/linear_cpu.py", *(
         sys.argv[1:] if argv is None else argv)]), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "load_after": os.getloadavg()[0], "machine": platform.processor() or platform.machine(),
         "shapes": SMOLLM2_135M, "results": results}, indent=1))
     return 0
 
