@@ -94,7 +94,7 @@ row_group(const scratch *w, int64_t r0, int64_t rows, int64_t k0, int64_t nk, in
                                   SPLAT(-INFINITY), s[i][c]);
         const float top = hmax(vmax(vmax(s[i][0], s[i][1]), vmax(s[i][2], s[i][3])));
         const float m_new = top > w->m[r] ? top : w->m[r];
-        alpha[i] = expf(w->m[r] - m_new);
+        alpha[i] = m_new == w->m[r] ? 1.f : expf(w->m[r] - m_new);  /* the max rarely grows */
         v16 sum = SPLAT(0.f);
         for (int c = 0; c < 4; c++) {
             v16 p = exp16(s[i][c] - SPLAT(m_new));
