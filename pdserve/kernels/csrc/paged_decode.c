@@ -46,26 +46,18 @@ static float softmax_row(float *s, int64_t L)
     return 1.f / sum;
 }
 
-/* Ask for the n rows of d floats (one KV head's part of each token) at base, stride apart:
- * the next block's, while this one is worked on (blocks lie anywhere in the cache, where
- * the hardware prefetcher does not follow). */
-static inline void prefetch_rows(const float *base, int64_t n, int64_t stride, int64_t d)
-{
-    for (int64_t o = 0; o < n; o++)
-        for (int64_t e = 0; e < d; e += 16) __builtin_prefetch(base + o * stride + e, 0, 3);
-}
-
-/* The first row of the block holding token t0 (a block's first token) of one KV head, after
- * asking for the next block's rows. */
+/* The first row of one KV head in the block holding token t0 (a block's first token). */
 static inline const float *block_rows(const float *cache, const int64_t *table, int64_t t0,
-                                      int64_t L, int64_t bs, int64_t row_stride, int64_t d)
+                                      int64_t bs, int64_t row_stride)
 {
-    const int64_t next = t0 + bs;
-    if (next < L)
-        prefetch_rows(cache + table[next / bs] * bs * row_stride, L - next < bs ? L - next : bs,
-                      row_stride, d);
     return cache + table[t0 / bs] * bs * row_stride;
 }
+
+/* While row o of a block is worked on, ask for row o of the next block (blocks lie anywhere in
+ * the cache, where the hardware prefetcher does not follow; one row at a time keeps the
+ * requests spread out rather than queued at the block's start). */
+#define PREFETCH_ROW(next, o, row_stride, C)                                                 \
+    for (int c = 0; c < (C); c++) __builtin_prefetch((next) + (o) * (row_stride) + 16 * c)
 
 /* One (sequence, KV head): q (G, D) -> out (G, D); scores: G * L floats of scratch. */
 #define DEFINE_ATTEND(D)                                                                    \
@@ -79,9 +71,11 @@ static void attend_##D(const float *q, const float *kc, const float *vc,        
         for (int c = 0; c < C; c++) qj[c] = load16(q + j * D + 16 * c) * SPLAT(scale);      \
         float *s = scores + j * L;                                                           \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
-            const float *kb = block_rows(kc, table, t0, L, bs, row_stride, D);               \
+            const float *kb = block_rows(kc, table, t0, bs, row_stride);                     \
+            const float *kn = t0 + bs < L ? block_rows(kc, table, t0 + bs, bs, row_stride) : kb; \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
             for (int64_t o = 0; o < n; o++) {                                                \
+                PREFETCH_ROW(kn, o, row_stride, C);                                          \
                 const float *k = kb + o * row_stride;                                        \
                 v16 acc = qj[0] * load16(k);                                                 \
                 for (int c = 1; c < C; c++) acc += qj[c] * load16(k + 16 * c);               \
@@ -95,9 +89,11 @@ static void attend_##D(const float *q, const float *kc, const float *vc,        
         v16 acc[C];                                                                          \
         for (int c = 0; c < C; c++) acc[c] = SPLAT(0.f);                                     \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
-            const float *vb = block_rows(vc, table, t0, L, bs, row_stride, D);               \
+            const float *vb = block_rows(vc, table, t0, bs, row_stride);                     \
+            const float *vn = t0 + bs < L ? block_rows(vc, table, t0 + bs, bs, row_stride) : vb; \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
             for (int64_t o = 0; o < n; o++) {                                                \
+                PREFETCH_ROW(vn, o, row_stride, C);                                          \
                 const v16 p = SPLAT(s[t0 + o]);                                              \
                 const float *v = vb + o * row_stride;                                        \
                 for (int c = 0; c < C; c++) acc[c] += p * load16(v + 16 * c);                \
