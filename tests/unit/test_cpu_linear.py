@@ -73,6 +73,13 @@ def test_panels_row_results_do_not_depend_on_the_batch():
         assert torch.equal(layer(x[10:30]), batch[10:30])
 
 
+@pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+def test_panels_refuse_an_input_of_the_wrong_width():
+    layer = PackedLinear(torch.randn(32, 16), layout="panels")
+    with pytest.raises(ValueError, match="17 features"):
+        layer(torch.randn(3, 17))
+
+
 def test_pack_panels_layout():
     weight = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
     panels = pack_panels(weight)
