@@ -69,7 +69,8 @@ def main(argv=None) -> int:
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"command": " ".join(["python benchmarks/linear_cpu.py", *(
         sys.argv[1:] if argv is None else argv)]), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "load_after": os.getloadavg()[0], "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "load_after": os.getloadavg()[0],
+        "machine": platform.processor() or platform.machine(),
         "shapes": SMOLLM2_135M, "results": results}, indent=1))
     return 0
 

@@ -3,6 +3,7 @@
 import pytest
 
 from pdserve.config import SchedulerConfig
+from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
@@ -167,3 +168,12 @@ def test_prompt_token_cap_grows_with_the_decoding_requests():
     assert chunks == {"d2": 1, "d3": 1, "p": 8}  # 3 x 2 < 8: the base cap
     with pytest.raises(ValueError, match="prefill_tokens_per_decode"):
         SchedulerConfig(prefill_tokens_per_decode=0)
+
+
+def test_cpu_engines_default_to_a_cap_that_grows_with_the_decodes(tiny_model_dir):
+    """On CPU: 64 prompt tokens beside decodes, or 8 per decoding request; both settable."""
+    sched = EngineArgs(model=str(tiny_model_dir), device="cpu").create_engine_config().scheduler
+    assert (sched.max_prefill_tokens_with_decodes, sched.prefill_tokens_per_decode) == (64, 8)
+    sched = EngineArgs(model=str(tiny_model_dir), device="cpu", max_prefill_tokens_with_decodes=32,
+                       prefill_tokens_per_decode=2).create_engine_config().scheduler
+    assert (sched.max_prefill_tokens_with_decodes, sched.prefill_tokens_per_decode) == (32, 2)
