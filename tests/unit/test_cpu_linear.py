@@ -1,9 +1,8 @@
-"""Packed linear layers (the native kernel's panels and oneDNN's layout) against a float64
-reference and F.linear, alone and inside the model."""
+"""Packed linear layers (the native kernel's panels and oneDNN's layout): alone against a
+float64 reference, inside the model against the plain nn.Linear model."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import native
