@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.pooling import pool_hidden
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
@@ -45,6 +46,7 @@ class ModelRunner:
         self.sampler = Sampler(config.model.arch.vocab_size)
         if self.device.type == "cpu":
             native.load()  # built (once per machine) now, not on the first request
+            keep_freed_memory()  # steps reuse their activations' pages (host_memory.py)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

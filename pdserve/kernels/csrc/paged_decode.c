@@ -32,7 +32,7 @@ static float softmax_row(float *s, int64_t L)
     for (; t < L; t++) m = s[t] > m ? s[t] : m;
     v16 sums = SPLAT(0.f);
     for (t = 0; t + 16 <= L; t += 16) {
-        const v16 e = exp16(load16(s + t) - SPLAT(m));
+        const v16 e = exp16_nonpos(load16(s + t) - SPLAT(m));
         store16(s + t, e);
         sums += e;
     }
@@ -40,7 +40,7 @@ static float softmax_row(float *s, int64_t L)
     if (t < L) {
         v16 x = SPLAT(-87.0f);
         for (int64_t i = t; i < L; i++) x[i - t] = s[i] - m;
-        const v16 e = exp16(x);
+        const v16 e = exp16_nonpos(x);
         for (int64_t i = t; i < L; i++) { s[i] = e[i - t]; sum += e[i - t]; }
     }
     return 1.f / sum;

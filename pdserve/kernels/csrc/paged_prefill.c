@@ -84,28 +84,43 @@ row_group(const scratch *w, int64_t r0, int64_t rows, int64_t k0, int64_t nk, in
         }
     }
 
+    /* Online softmax, each step for all the group's rows at once so that their dependency
+     * chains (horizontal max, exponentials, horizontal sum) overlap. */
+    v16 m_new[ROW_GROUP], sum[ROW_GROUP];
     float alpha[ROW_GROUP];
+    #pragma GCC unroll 6
     for (int i = 0; i < ROW_GROUP; i++) {
-        const int64_t r = row[i];
-        const int64_t seen = pos0 + r / G - k0 + 1;  /* keys of the tile this row sees */
+        const int64_t seen = pos0 + row[i] / G - k0 + 1;  /* keys of the tile this row sees */
         if (seen < KEY_TILE)
             for (int c = 0; c < 4; c++)
                 s[i][c] = vselect(LANES + SPLAT((float)(16 * c)) >= SPLAT((float)seen),
                                   SPLAT(-INFINITY), s[i][c]);
-        const float top = hmax(vmax(vmax(s[i][0], s[i][1]), vmax(s[i][2], s[i][3])));
-        const float m_new = top > w->m[r] ? top : w->m[r];
-        alpha[i] = m_new == w->m[r] ? 1.f : expf(w->m[r] - m_new);  /* the max rarely grows */
-        v16 sum = SPLAT(0.f);
+        v16 top = vmax(vmax(s[i][0], s[i][1]), vmax(s[i][2], s[i][3]));
+        HALVE(top, vmax);  /* every lane: the row's maximum over the tile */
+        m_new[i] = vmax(top, SPLAT(w->m[row[i]]));
+    }
+    #pragma GCC unroll 6
+    for (int i = 0; i < ROW_GROUP; i++) {
+        sum[i] = SPLAT(0.f);
+        #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            v16 p = exp16(s[i][c] - SPLAT(m_new));
-            if (seen < KEY_TILE)
-                p = vselect(LANES + SPLAT((float)(16 * c)) >= SPLAT((float)seen), SPLAT(0.f), p);
-            store16(w->p + i * KEY_TILE + 16 * c, p);
-            sum += p;
+            s[i][c] = exp16_nonpos(s[i][c] - m_new[i]);  /* masked keys: 0 */
+            sum[i] += s[i][c];
         }
+    }
+    #pragma GCC unroll 6
+    for (int i = 0; i < ROW_GROUP; i++) {
+        #pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) store16(w->p + i * KEY_TILE + 16 * c, s[i][c]);
+        HALVE(sum[i], vadd);
+    }
+    for (int i = 0; i < ROW_GROUP; i++) {
+        const int64_t r = row[i];
+        const float m_old = w->m[r], m = m_new[i][0];
+        alpha[i] = m == m_old ? 1.f : expf(m_old - m);  /* the max rarely grows */
         if (i < nr) {
-            w->l[r] = w->l[r] * alpha[i] + hsum(sum);
-            w->m[r] = m_new;
+            w->l[r] = w->l[r] * alpha[i] + sum[i][0];
+            w->m[r] = m;
         }
     }
 

@@ -47,14 +47,10 @@ static inline float hmax(v16 x)
     return x[0];
 }
 
-/* e^x for |x| <= 87 (clamped beyond): 2^n e^r with n = floor(x / ln 2 + 1/2), |r| <= ln(2)/2,
+/* e^x from n = round(x / ln 2) (integer lanes): 2^n e^r with r = x - n ln 2 (|r| <= ln(2) / 2)
  * and Cephes' expf polynomial for e^r (about 1 ulp). */
-static inline v16 exp16(v16 x)
+static inline v16 exp16_from(v16 x, i16 ni)
 {
-    x = vmin(vmax(x, SPLAT(-87.0f)), SPLAT(87.0f));
-    const v16 y = x * SPLAT(1.44269504f) + SPLAT(0.5f);
-    i16 ni = __builtin_convertvector(y, i16);             /* toward zero */
-    ni += (i16)(__builtin_convertvector(ni, v16) > y);    /* true is -1: now floor(y) */
     const v16 n = __builtin_convertvector(ni, v16);
     const v16 r = x - n * SPLAT(0.693359375f) + n * SPLAT(2.12194440e-4f);
     v16 p = SPLAT(1.9875691500e-4f);
@@ -65,6 +61,25 @@ static inline v16 exp16(v16 x)
     p = p * r + SPLAT(5.0000001201e-1f);
     p = p * r * r + r + SPLAT(1.0f);
     return (v16)((i16)p + (ni << 23));
+}
+
+/* e^x for |x| <= 87 (clamped beyond). */
+static inline v16 exp16(v16 x)
+{
+    x = vmin(vmax(x, SPLAT(-87.0f)), SPLAT(87.0f));
+    const v16 y = x * SPLAT(1.44269504f) + SPLAT(0.5f);
+    i16 ni = __builtin_convertvector(y, i16);             /* toward zero */
+    ni += (i16)(__builtin_convertvector(ni, v16) > y);    /* true is -1: now floor(y) */
+    return exp16_from(x, ni);
+}
+
+/* e^x for x <= 0 (softmax's arguments), exactly 0 below -87 (so e^-inf is 0). Cheaper than
+ * exp16: x / ln 2 - 1/2 is negative, so one conversion (toward zero) rounds x / ln 2. */
+static inline v16 exp16_nonpos(v16 x)
+{
+    const i16 tiny = x < SPLAT(-87.0f);
+    const i16 ni = __builtin_convertvector(x * SPLAT(1.44269504f) - SPLAT(0.5f), i16);
+    return vselect(tiny, SPLAT(0.f), exp16_from(x, ni));
 }
 
 #endif
