@@ -4,13 +4,14 @@
  * and already written to the cache: query i (position L - n + i) sees keys 0 .. L - n + i.
  * A work item is one KV head and a tile of up to QUERY_TILE query tokens (fewer when that
  * would leave a thread without several items); its rows are the (token, query head) pairs
- * that share that KV head. The item walks the keys its rows can see in tiles of KEY_TILE,
- * copying each tile's keys out of the cache blocks once, transposed (values are read where
- * they lie). Then, for each group of ROW_GROUP rows, it computes the group's scores in
- * registers (one broadcast query element times four vectors of keys per step), updates each
- * row's running maximum and sum (online softmax), and adds the probability-weighted values to
- * the rows' accumulators, four vectors of columns at a time, again in registers. No score
- * matrix is built, and key tiles a row cannot see are skipped.
+ * that share that KV head. First every KV head's keys are copied out of the cache blocks once
+ * per call, transposed, in tiles of KEY_TILE (values are read where they lie). An item then
+ * walks the key tiles its rows can see. For each group of ROW_GROUP rows, it computes the
+ * group's scores in registers (one broadcast query element times four vectors of keys per
+ * step), updates each row's running maximum and sum (online softmax, each step for all the
+ * group's rows at once), and adds the probability-weighted values to the rows' accumulators,
+ * four vectors of columns at a time, again in registers. No score matrix is built, and key
+ * tiles a row cannot see are skipped.
  *
  * Layouts (float32): q row i at q + i * q_stride (h heads of d values contiguous); kc, vc
  * (num_blocks, block_size, kvh, d) contiguous; table: the sequence's blocks (table_len of
@@ -36,35 +37,27 @@ typedef struct {
     float *o;   /* (rows, D) unnormalised outputs */
     float *m;   /* (rows,) running maximum score */
     float *l;   /* (rows,) running sum of exponentials */
-    float *kt;  /* (D, KEY_TILE) the key tile, transposed */
-    const float **v;  /* (KEY_TILE,) where each of the tile's values lies in the cache */
     float *p;   /* (ROW_GROUP, KEY_TILE) one group's probabilities */
 } scratch;
 
-/* Copy keys k0 .. k0 + nk - 1 out of the cache blocks, transposed (the tile's tail zeroed),
- * and note where their values lie. */
-static inline __attribute__((always_inline)) void
-pack_tile(const float *kc, const float *vc, const int64_t *table, int64_t bs,
-          int64_t row_stride, int64_t k0, int64_t nk, float *kt, const float **v,
-          const int64_t D)
+/* Copy keys k0 .. k0 + nk - 1 of one KV head (at kc + at[t]) into kt (D, KEY_TILE),
+ * transposed, the tile's tail zeroed. */
+static void pack_keys(const float *kc, const int64_t *at, int64_t k0, int64_t nk, int64_t d,
+                      float *kt)
 {
     for (int64_t j = 0; j < KEY_TILE; j++) {
-        if (j < nk) {
-            const int64_t t = k0 + j, slot = table[t / bs] * bs + t % bs;
-            const float *k = kc + slot * row_stride;
-            for (int64_t e = 0; e < D; e++) kt[e * KEY_TILE + j] = k[e];
-            v[j] = vc + slot * row_stride;
-        } else {
-            for (int64_t e = 0; e < D; e++) kt[e * KEY_TILE + j] = 0.f;
-        }
+        const float *k = j < nk ? kc + at[k0 + j] : NULL;
+        for (int64_t e = 0; e < d; e++) kt[e * KEY_TILE + j] = k ? k[e] : 0.f;
     }
 }
 
-/* Rows r0 .. r0 + ROW_GROUP - 1 (those below `rows`) against one key tile starting at k0;
- * row r is token r / G of the item, at position pos0 + r / G. */
+/* Rows r0 .. r0 + ROW_GROUP - 1 (those below `rows`) against one key tile starting at k0:
+ * its keys in kt_tile (D, KEY_TILE), key j's values at vc + at[j]. Row r is token r / G of
+ * the item, at position pos0 + r / G. */
 static inline __attribute__((always_inline)) void
-row_group(const scratch *w, int64_t r0, int64_t rows, int64_t k0, int64_t nk, int64_t pos0,
-          int64_t G, const int64_t D)
+row_group(const scratch *w, const float *kt_tile, const float *vc, const int64_t *at,
+          int64_t r0, int64_t rows, int64_t k0, int64_t nk, int64_t pos0, int64_t G,
+          const int64_t D)
 {
     const int64_t nr = rows - r0 < ROW_GROUP ? rows - r0 : ROW_GROUP;
     int64_t row[ROW_GROUP];  /* rows past the end repeat the last one and are not stored */
@@ -74,7 +67,7 @@ row_group(const scratch *w, int64_t r0, int64_t rows, int64_t k0, int64_t nk, in
     for (int i = 0; i < ROW_GROUP; i++)
         for (int c = 0; c < 4; c++) s[i][c] = SPLAT(0.f);
     for (int64_t e = 0; e < D; e++) {
-        const float *kt = w->kt + e * KEY_TILE;
+        const float *kt = kt_tile + e * KEY_TILE;
         const v16 k[4] = {load16(kt), load16(kt + 16), load16(kt + 32), load16(kt + 48)};
         #pragma GCC unroll 6
         for (int i = 0; i < ROW_GROUP; i++) {
@@ -134,7 +127,7 @@ row_group(const scratch *w, int64_t r0, int64_t rows, int64_t k0, int64_t nk, in
             for (int c = 0; c < 4; c++)
                 acc[i][c] = load16(w->o + row[i] * D + c0 + 16 * c) * SPLAT(alpha[i]);
         for (int64_t j = 0; j < keys; j++) {
-            const float *vt = w->v[j] + c0;
+            const float *vt = vc + at[j] + c0;
             const v16 v[4] = {load16(vt), load16(vt + 16), load16(vt + 32), load16(vt + 48)};
             #pragma GCC unroll 6
             for (int i = 0; i < ROW_GROUP; i++) {
@@ -148,12 +141,12 @@ row_group(const scratch *w, int64_t r0, int64_t rows, int64_t k0, int64_t nk, in
     }
 }
 
-/* Query tokens i0 .. i1 - 1 of one KV head (its G query heads). */
+/* Query tokens i0 .. i1 - 1 of one KV head (its G query heads): keys, that head's packed
+ * key tiles; token t's values at vc + at[t]. */
 static inline __attribute__((always_inline)) void
-prefill_item(const float *q, int64_t q_stride, const float *kc, const float *vc,
-             const int64_t *table, int64_t bs, int64_t row_stride, int64_t past, int64_t i0,
-             int64_t i1, int64_t G, float scale, float *out, int64_t out_stride,
-             const scratch *w, const int64_t D)
+prefill_item(const float *q, int64_t q_stride, const float *keys, const float *vc,
+             const int64_t *at, int64_t past, int64_t i0, int64_t i1, int64_t G, float scale,
+             float *out, int64_t out_stride, const scratch *w, const int64_t D)
 {
     const int64_t rows = (i1 - i0) * G;
     for (int64_t r = 0; r < rows; r++) {
@@ -168,10 +161,9 @@ prefill_item(const float *q, int64_t q_stride, const float *kc, const float *vc,
     const int64_t last = past + i1 - 1;  /* the item's last query position */
     for (int64_t k0 = 0; k0 <= last; k0 += KEY_TILE) {
         const int64_t nk = last + 1 - k0 < KEY_TILE ? last + 1 - k0 : KEY_TILE;
-        pack_tile(kc, vc, table, bs, row_stride, k0, nk, w->kt, w->v, D);
         const int64_t first = k0 > past + i0 ? k0 - past - i0 : 0;  /* first token seeing k0 */
         for (int64_t r0 = first * G; r0 < rows; r0 += ROW_GROUP)
-            row_group(w, r0, rows, k0, nk, past + i0, G, D);
+            row_group(w, keys + k0 * D, vc, at + k0, r0, rows, k0, nk, past + i0, G, D);
     }
     for (int64_t r = 0; r < rows; r++) {
         float *dst = out + (i0 + r / G) * out_stride + (r % G) * D;
@@ -180,22 +172,18 @@ prefill_item(const float *q, int64_t q_stride, const float *kc, const float *vc,
     }
 }
 
-static void prefill_item_64(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                            const int64_t *table, int64_t bs, int64_t row_stride, int64_t past,
-                            int64_t i0, int64_t i1, int64_t G, float scale, float *out,
-                            int64_t out_stride, const scratch *w)
+static void prefill_item_64(const float *q, int64_t q_stride, const float *keys, const float *vc,
+                            const int64_t *at, int64_t past, int64_t i0, int64_t i1, int64_t G,
+                            float scale, float *out, int64_t out_stride, const scratch *w)
 {
-    prefill_item(q, q_stride, kc, vc, table, bs, row_stride, past, i0, i1, G, scale, out,
-                 out_stride, w, 64);
+    prefill_item(q, q_stride, keys, vc, at, past, i0, i1, G, scale, out, out_stride, w, 64);
 }
 
-static void prefill_item_128(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                             const int64_t *table, int64_t bs, int64_t row_stride, int64_t past,
-                             int64_t i0, int64_t i1, int64_t G, float scale, float *out,
-                             int64_t out_stride, const scratch *w)
+static void prefill_item_128(const float *q, int64_t q_stride, const float *keys, const float *vc,
+                             const int64_t *at, int64_t past, int64_t i0, int64_t i1, int64_t G,
+                             float scale, float *out, int64_t out_stride, const scratch *w)
 {
-    prefill_item(q, q_stride, kc, vc, table, bs, row_stride, past, i0, i1, G, scale, out,
-                 out_stride, w, 128);
+    prefill_item(q, q_stride, keys, vc, at, past, i0, i1, G, scale, out, out_stride, w, 128);
 }
 
 static int scratch_alloc(scratch *w, int64_t rows, int64_t d)
@@ -205,10 +193,8 @@ static int scratch_alloc(scratch *w, int64_t rows, int64_t d)
     w->o = aligned_alloc(64, f * rows * d);
     w->m = malloc(f * rows);
     w->l = malloc(f * rows);
-    w->kt = aligned_alloc(64, f * d * KEY_TILE);
-    w->v = malloc(sizeof(float *) * KEY_TILE);
     w->p = aligned_alloc(64, f * ROW_GROUP * KEY_TILE);
-    return w->qs && w->o && w->m && w->l && w->kt && w->v && w->p;
+    return w->qs && w->o && w->m && w->l && w->p;
 }
 
 static void scratch_free(scratch *w)
@@ -217,8 +203,6 @@ static void scratch_free(scratch *w)
     free(w->o);
     free(w->m);
     free(w->l);
-    free(w->kt);
-    free(w->v);
     free(w->p);
 }
 
@@ -236,9 +220,22 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const float *kc, const f
     while (size > MIN_QUERY_TILE && kvh * ((n + size - 1) / size) < 4 * num_threads) size /= 2;
     const int64_t tiles = (n + size - 1) / size, items = kvh * tiles;
     const int threads = items < num_threads ? (int)items : num_threads;
+    const int64_t key_tiles = (L + KEY_TILE - 1) / KEY_TILE, per_head = key_tiles * KEY_TILE * d;
+    float *keys = aligned_alloc(64, sizeof(float) * kvh * per_head);  /* (kvh, tiles, d, tile) */
+    int64_t *at = malloc(sizeof(int64_t) * L);  /* where token t's first KV head lies */
+    if (!keys || !at) {
+        free(keys);
+        free(at);
+        return -2;
+    }
+    for (int64_t t = 0; t < L; t++) at[t] = (table[t / bs] * bs + t % bs) * kvh * d;
     int out_of_memory = 0;
     #pragma omp parallel num_threads(threads)
     {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < kvh * key_tiles; t++)
+            pack_keys(kc + t / key_tiles * d, at, t % key_tiles * KEY_TILE,
+                      L - t % key_tiles * KEY_TILE, d, keys + t * KEY_TILE * d);
         scratch w;
         const int ready = scratch_alloc(&w, QUERY_TILE * G, d);
         if (!ready) {
@@ -252,10 +249,12 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const float *kc, const f
             const int64_t tile = tiles - 1 - item / kvh, g = item % kvh;
             const int64_t i0 = tile * size, i1 = i0 + size < n ? i0 + size : n;
             (d == 64 ? prefill_item_64 : prefill_item_128)(
-                q + g * G * d, q_stride, kc + g * d, vc + g * d, table, bs, kvh * d, L - n, i0,
-                i1, G, scale, out + g * G * d, out_stride, &w);
+                q + g * G * d, q_stride, keys + g * per_head, vc + g * d, at, L - n, i0, i1, G,
+                scale, out + g * G * d, out_stride, &w);
         }
         scratch_free(&w);
     }
+    free(keys);
+    free(at);
     return out_of_memory ? -2 : 0;
 }
