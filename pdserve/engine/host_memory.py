@@ -6,7 +6,8 @@ kernel when they are freed, and trims free memory at the heap's top: every step 
 its activations in again, each page zeroed by the kernel. That was a tenth of the time of a
 cold 2,000-token prefill (benchmarks/results/vs_vllm.md). A CPU engine raises both thresholds
 once, so freed blocks stay in the heap for the next step, as a GPU framework's caching
-allocator keeps device memory; the process keeps its peak activation memory.
+allocator keeps device memory; the process keeps its peak activation memory until
+`release_freed_memory` (the engine's sleep) gives the free part back.
 
 glibc's own environment variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) win when
 set. Other C libraries are left alone.
@@ -40,3 +41,12 @@ def keep_freed_memory() -> bool:
         if env not in os.environ:
             done = bool(mallopt(param, KEEP_BYTES)) and done
     return done
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free memory back to the OS (glibc's malloc_trim), after a large free
+    such as the engine's sleep; a no-op on another C library."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+        trim(0)

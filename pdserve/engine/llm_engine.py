@@ -16,6 +16,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.host_memory import release_freed_memory
 from pdserve.engine.input_processor import InputProcessor
 from pdserve.engine.kv_budget import gib, num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -210,6 +211,7 @@ class LLMEngine:
         if level == 2:
             self.model = self.runner.model = None
         gc.collect()
+        release_freed_memory()
         if torch.cuda.is_available() and self.config.device.device != "cpu":
             torch.cuda.empty_cache()
         logger.info("engine asleep (level %d)", level)

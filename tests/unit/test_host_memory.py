@@ -1,7 +1,8 @@
 """A CPU engine keeps freed activation memory for its next step (host_memory.py): a block of
 40 MB, allocated, written and freed over and over, stops faulting its pages in once glibc's
 heap has settled (a few rounds), where glibc's defaults map it afresh and fault in every page
-each time. Each case runs in its own process."""
+each time; `release_freed_memory` (the engine's sleep) gives such memory back. Each case runs
+in its own process."""
 
 from __future__ import annotations
 
@@ -20,6 +21,19 @@ kept = None
 if mode == "keep":
     from pdserve.engine.host_memory import keep_freed_memory
     kept = keep_freed_memory()
+elif mode == "release":
+    from pdserve.engine.host_memory import keep_freed_memory, release_freed_memory
+    kept = keep_freed_memory()
+    def resident():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096
+    block = torch.ones(50 << 20)  # 200 MB
+    before = resident()
+    del block
+    freed = resident()
+    release_freed_memory()
+    print(json.dumps({"kept": kept, "held_after_free": before - freed < (100 << 20),
+                      "released": freed - resident() > (150 << 20)}))
+    sys.exit()
 elif mode == "engine":
     from pdserve import LLM
     LLM(sys.argv[2], dtype="float32", max_model_len=64, kv_cache_memory_bytes=1 << 22)
@@ -63,3 +77,9 @@ def test_glibc_environment_wins():
 def test_cpu_engine_keeps_freed_memory(tiny_model_dir):
     out = _child("engine", str(tiny_model_dir))
     assert out["faults"] < out["pages"] // 2
+
+
+@glibc_only
+def test_release_gives_freed_memory_back():
+    out = _child("release")
+    assert out == {"kept": True, "held_after_free": True, "released": True}
