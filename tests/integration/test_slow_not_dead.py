@@ -48,11 +48,12 @@ def test_prefill_longer_than_the_probe_interval_is_waited_for(cluster, tiny_mode
 def test_embedding_is_waited_for_while_slow_and_moved_when_frozen(cluster, tiny_model_dir):
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
     llm = LLM(str(tiny_model_dir), kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=8)
-    fresh = [200 + (i * 11) % 5000 for i in range(700)]  # not in any prefix cache
-    slow_ids, moved_ids = fresh[:600], fresh[600:]
+    fresh = [200 + (i * 11) % 5000 for i in range(1900)]  # not in any prefix cache
+    slow_ids, moved_ids = fresh[:1800], fresh[1800:]
     want = [llm.embed({"prompt_token_ids": ids}, PoolingParams(), use_tqdm=False)[0]
             for ids in (slow_ids, moved_ids)]
-    # Slow (150 steps of 4 tokens), answering its probe: waited for on the prefill instance.
+    # Slow (450 steps of 4 tokens, several probe intervals even on a fast machine), answering
+    # its probe: waited for on the prefill instance.
     slow = stub.Embed(router_pb2.EmbedRequest(token_ids=router_pb2.TokenIds(ids=slow_ids)),
                       timeout=300)
     assert slow.instance_id == "prefill-0"
