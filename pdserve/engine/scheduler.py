@@ -167,8 +167,10 @@ class Scheduler:
         prefill_tokens_per_decode per decoding request when that is more."""
         cap, per_decode = (self.config.max_prefill_tokens_with_decodes,
                            self.config.prefill_tokens_per_decode)
+        if cap is None or not self.config.enable_chunked_prefill:
+            return self.config.max_num_batched_tokens
         decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
-        if cap is None or not self.config.enable_chunked_prefill or not decoding:
+        if not decoding:
             return self.config.max_num_batched_tokens
         return max(cap, (per_decode or 0) * decoding)
 
