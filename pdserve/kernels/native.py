@@ -24,8 +24,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "linear.c")
-HEADERS = ("vec16.h",)
+SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "linear.c",
+           "decoder_layers.c")
+HEADERS = ("vec16.h", "decoder_layers.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"
@@ -53,6 +54,9 @@ _SIGNATURES = {
     "linear_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int],
     # x, row_stride, rows, heads, head_dim, cos, sin, num_threads
     "rotary_f32": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int],
+    # x, T, shape, layers, kv, num_blocks, block_size, cos, sin, batch, num_threads
+    "decoder_layers_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
+                           ctypes.c_int],
 }
 _VOID = {"rms_norm_f32", "add_rms_norm_f32", "silu_mul_f32", "rotary_f32", "linear_f32"}
 

@@ -25,6 +25,7 @@ from torch import nn
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.cpu_fused import add_rms_norm, can_rotate_in_place, rms_norm, \
     rotate_in_place, silu_mul, torch_rotary
+from pdserve.kernels.cpu_layers import NativeLayers
 from pdserve.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 from pdserve.kernels.dispatch import paged_attention
 from pdserve.models.arch import ModelArch
@@ -185,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
                                for i in range(arch.num_hidden_layers)]
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        self.native_layers: NativeLayers | None = None  # set by pack_for_cpu where it applies
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -196,6 +198,9 @@ class LlamaForCausalLM(nn.Module):
             x = x * embedding_scale(self.arch, x.dtype).to(x.device)
         cos_sin = self.rotary.cos_sin(positions)
         local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions)
+        if self.native_layers is not None and self.native_layers.serves(x, cos_sin[0], kv_cache):
+            self.native_layers(x, *cos_sin, kv_cache, meta)  # every layer, one native call
+            return self.norm(x)
         for i, layer in enumerate(self.layers):
             x = layer(x, local if self.layer_is_local[i] else cos_sin, kv_cache[i], meta)
         return self.norm(x)
@@ -216,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
         pack_linears(self)
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
             self.lm_head = PackedLinear(self.embed_tokens.weight)
+        self.native_layers = NativeLayers.build(self)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

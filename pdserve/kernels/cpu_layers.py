@@ -1,0 +1,151 @@
+"""A Llama-style decoder's layers in one native call on CPU (csrc/decoder_layers.c).
+
+Layer by layer, a step calls about ten kernels per layer from Python, and each call pays for
+its checks, its output allocation and the interpreter while the other compute threads wait:
+a few milliseconds per step on a 30-layer model, as much as a decode step's attention. The
+native loop runs the same kernels in the same order on the same buffers, so its results are
+the same bit for bit; it serves float32 models whose every projection is packed in panels and
+whose layers have no extras (no q/k norm, soft-cap or sliding window), and `serves` says for
+which steps (head sizes 64 and 128, native attention metadata). Everything else keeps the
+module path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from pdserve.kernels import native
+from pdserve.kernels.cpu_decode import HEAD_SIZES
+from pdserve.kernels.cpu_linear import PackedLinear
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("eps", _f32), ("scale", _f32)]
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
+                                          "gate_up", "down")]
+
+
+class _StepBatch(ctypes.Structure):
+    _fields_ = [("slots", _ptr), ("num_decodes", _i64), ("decode_max_blocks", _i64),
+                ("decode_rows", _ptr), ("decode_lens", _ptr), ("decode_tables", _ptr),
+                ("num_prefills", _i64), ("prefill_max_blocks", _i64),
+                ("prefill_start", _ptr), ("prefill_end", _ptr), ("prefill_context", _ptr),
+                ("prefill_table_lens", _ptr), ("prefill_tables", _ptr)]
+
+
+_ERRORS = {
+    -1: "head size or head counts the native attention does not serve",
+    -3: "a token's cache slot lies outside the KV cache",
+    -4: "a decode does not fit its block table or the KV cache",
+    -5: "a prefill span does not fit its block table or the KV cache",
+}
+
+
+def _panels(linear: nn.Module) -> bool:
+    return isinstance(linear, PackedLinear) and linear.layout == "panels"
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _plain(layer: nn.Module) -> bool:
+    """A llama.DecoderLayer with nothing the native loop lacks, all its weights float32."""
+    from pdserve.models.llama import DecoderLayer, RMSNorm
+
+    if type(layer) is not DecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (attn.q_norm is None and attn.softcap is None and attn.window is None
+            and attn.head_dim in HEAD_SIZES and all(map(_panels, projections))
+            and all(p.bias is None for p in projections[1:])
+            and (attn.qkv_proj.bias is None or _f32(attn.qkv_proj.bias))
+            and all(type(n) is RMSNorm and _f32(n.weight) and n.eps == norms[0].eps
+                    for n in norms))
+
+
+class NativeLayers:
+    """Every decoder layer of a model in one call; build with `NativeLayers.build`."""
+
+    def __init__(self, layers: nn.ModuleList, eps: float):
+        first = layers[0].self_attn
+        self.num_layers = len(layers)
+        self.hidden = layers[0].input_layernorm.weight.numel()
+        self.heads, self.kv_heads, self.head_dim = (first.num_heads, first.num_kv_heads,
+                                                    first.head_dim)
+        intermediate = layers[0].mlp.down_proj.in_features
+        self.shape = _Shape(self.num_layers, self.hidden, self.heads, self.kv_heads,
+                            self.head_dim, intermediate, eps, first.scale)
+        self.weights = (_LayerWeights * self.num_layers)()
+        self._keep = []  # the tensors the table points into
+        for w, layer in zip(self.weights, layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                       attn.qkv_proj.packed_weight, attn.qkv_proj.bias,
+                       attn.o_proj.packed_weight, mlp.gate_up_proj.packed_weight,
+                       mlp.down_proj.packed_weight)
+            for (name, _), t in zip(_LayerWeights._fields_, tensors):
+                setattr(w, name, None if t is None else t.data_ptr())
+            self._keep.extend(t for t in tensors if t is not None)
+
+    @classmethod
+    def build(cls, model: nn.Module) -> NativeLayers | None:
+        """The native loop for `model` (a LlamaForCausalLM whose projections are packed), or
+        None where it does not apply."""
+        layers = getattr(model, "layers", None)
+        if native.load() is None or not layers or not all(map(_plain, layers)):
+            return None
+        eps = {layer.input_layernorm.eps for layer in layers}
+        return cls(layers, eps.pop()) if len(eps) == 1 else None
+
+    def serves(self, x: torch.Tensor, cos: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """x: (T, hidden) float32 of the caller's own; cos: (T, 1, head_dim / 2); kv_cache:
+        (layers, 2, blocks, block_size, kv_heads, head_dim) float32, contiguous."""
+        return (_f32(x) and x.dim() == 2 and x.shape[1] == self.hidden and _f32(cos)
+                and cos.numel() * 2 == x.shape[0] * self.head_dim and _f32(kv_cache)
+                and kv_cache.dim() == 6 and kv_cache.shape[0] == self.num_layers
+                and kv_cache.shape[1] == 2 and kv_cache.shape[4:] == (self.kv_heads,
+                                                                        self.head_dim))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache: torch.Tensor, meta) -> None:
+        """Run every layer on x (updated in place); `serves` must hold. Raises ValueError for
+        a slot, decode or prefill span that does not fit the cache."""
+        i64 = torch.int64
+        slots = meta.slot_mapping.to(i64).contiguous()
+        rows = meta.decode_token_idx.to(i64).contiguous()
+        lens = meta.decode_seq_lens.to(i64).contiguous()
+        tables = meta.decode_block_tables.to(i64).contiguous()
+        spans = meta.prefills
+        bounds = torch.tensor([[s.token_start, s.token_end, s.context_len, s.block_table.numel()]
+                               for s in spans], dtype=i64).reshape(len(spans), 4).t().contiguous()
+        width = max((s.block_table.numel() for s in spans), default=0)
+        span_tables = torch.zeros(len(spans), max(width, 1), dtype=i64)
+        for i, s in enumerate(spans):
+            span_tables[i, :s.block_table.numel()] = s.block_table
+        if slots.numel() != x.shape[0] or rows.numel() != lens.numel() or (
+                rows.numel() and tables.shape[0] != rows.numel()):
+            raise ValueError("attention metadata: sizes do not match the step's tokens")
+        batch = _StepBatch(slots.data_ptr(), rows.numel(), tables.shape[-1], rows.data_ptr(),
+                           lens.data_ptr(), tables.data_ptr(), len(spans), span_tables.shape[1],
+                           *(bounds[i].data_ptr() for i in range(4)), span_tables.data_ptr())
+        _, _, num_blocks, block_size = kv_cache.shape[:4]
+        code = native.load().decoder_layers_f32(
+            x.data_ptr(), x.shape[0], ctypes.byref(self.shape), self.weights,
+            kv_cache.data_ptr(), num_blocks, block_size, cos.data_ptr(), sin.data_ptr(),
+            ctypes.byref(batch), torch.get_num_threads())
+        if code == -2:
+            raise MemoryError("decoder layers: no memory for the scratch buffers")
+        if code < 0:
+            raise ValueError(f"decoder layers: {_ERRORS.get(code, f'error {code}')}")

@@ -1,0 +1,119 @@
+/* A Llama-style decoder's layers in one call, float32: the same kernels, in the same order, as
+ * the per-layer modules of models/llama.py call one by one from Python, so the results are
+ * the same bit for bit. What it saves is the interpreter between the kernels: about ten calls
+ * per layer, each with its checks and allocations, while the other OpenMP threads wait.
+ *
+ * Per layer, for the step's T tokens (x: (T, H), the residual stream, updated in place):
+ *   normed = rms_norm(x)                     qkv = normed W_qkv (+ b)      (T, (h + 2 kvh) d)
+ *   rotary on q and k (in place)             k, v -> their cache slots
+ *   attn = paged attention (decodes, then each prefill span)              (T, h d)
+ *   x += attn W_o, normed = rms_norm(x)      x += down(silu(gate) * up)
+ * The caches of all layers are one array (layers, 2, blocks, block_size, kvh, d).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "decoder_layers.h"
+
+void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
+                  int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads);
+void add_rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
+                      const float *w, float *out, int64_t out_stride, int64_t rows, int64_t n,
+                      float eps, int num_threads);
+void silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t out_stride,
+                  int64_t rows, int64_t n, int num_threads);
+void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                const float *cos, const float *sin, int num_threads);
+void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *panels, int64_t n,
+                int64_t k, const float *bias, float *out, int64_t out_stride, int num_threads);
+int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                     int64_t num_blocks, int64_t bs, int64_t kvh, int64_t d,
+                     const int64_t *tables, int64_t max_blocks, const int64_t *lens,
+                     const int64_t *rows, int64_t B, int64_t h, float scale, float *out,
+                     int num_threads);
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                      int64_t num_blocks, int64_t bs, int64_t kvh, int64_t d,
+                      const int64_t *table, int64_t table_len, int64_t n, int64_t L, int64_t h,
+                      float scale, float *out, int64_t out_stride, int num_threads);
+
+#define PARALLEL_MIN_VALUES (1 << 16)
+
+static void add_in_place(float *x, const float *y, int64_t count, int num_threads)
+{
+    #pragma omp parallel for num_threads(num_threads) if (count >= PARALLEL_MIN_VALUES)
+    for (int64_t i = 0; i < count; i++) x[i] += y[i];
+}
+
+/* Keys and values of the step's tokens into their slots: (T, kvh d) rows of qkv at column
+ * h d (keys) and (h + kvh) d (values). */
+static void write_kv(const float *qkv, int64_t qkv_stride, int64_t T, const int64_t *slots,
+                     int64_t k_offset, int64_t kv_width, float *kc, float *vc)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *k = qkv + t * qkv_stride + k_offset, *v = k + kv_width;
+        float *kd = kc + slots[t] * kv_width, *vd = vc + slots[t] * kv_width;
+        for (int64_t i = 0; i < kv_width; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+    }
+}
+
+static float *scratch_alloc(int64_t floats)
+{
+    return aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+}
+
+int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_weights *layers,
+                       float *kv, int64_t num_blocks, int64_t bs, const float *cos,
+                       const float *sin, const step_batch *b, int num_threads)
+{
+    const int64_t H = s->hidden, h = s->heads, kvh = s->kv_heads, d = s->head_dim;
+    const int64_t I = s->intermediate, Q = (h + 2 * kvh) * d, kv_width = kvh * d;
+    if ((d != 64 && d != 128) || kvh < 1 || h % kvh || bs < 1 || T < 1) return DL_UNSUPPORTED;
+    for (int64_t t = 0; t < T; t++)
+        if (b->slots[t] < 0 || b->slots[t] >= num_blocks * bs) return DL_BAD_SLOT;
+    for (int64_t i = 0; i < b->num_decodes; i++)  /* the kernels check tables and lengths */
+        if (b->decode_rows[i] < 0 || b->decode_rows[i] >= T) return DL_BAD_DECODE;
+    for (int64_t p = 0; p < b->num_prefills; p++)
+        if (b->prefill_start[p] < 0 || b->prefill_end[p] > T
+                || b->prefill_table_lens[p] > b->prefill_max_blocks) return DL_BAD_PREFILL;
+    float *normed = scratch_alloc(T * H), *qkv = scratch_alloc(T * Q);
+    float *attn = scratch_alloc(T * h * d), *tmp = scratch_alloc(T * H);
+    float *gu = scratch_alloc(T * 2 * I), *act = scratch_alloc(T * I);
+    int code = 0;
+    if (!normed || !qkv || !attn || !tmp || !gu || !act) code = DL_NO_MEMORY;
+    const int64_t cache = num_blocks * bs * kv_width;  /* floats of one layer's K (or V) */
+    for (int64_t l = 0; l < s->layers && !code; l++) {
+        const layer_weights *w = layers + l;
+        float *kc = kv + 2 * l * cache, *vc = kc + cache;
+        rms_norm_f32(x, H, w->input_norm, normed, H, T, H, s->eps, num_threads);
+        linear_f32(normed, H, T, w->qkv, Q, H, w->qkv_bias, qkv, Q, num_threads);
+        rotary_f32(qkv, Q, T, h + kvh, d, cos, sin, num_threads);
+        write_kv(qkv, Q, T, b->slots, h * d, kv_width, kc, vc);
+        if (b->num_decodes) {
+            const int r = paged_decode_f32(qkv, Q, kc, vc, num_blocks, bs, kvh, d,
+                                           b->decode_tables, b->decode_max_blocks,
+                                           b->decode_lens, b->decode_rows, b->num_decodes, h,
+                                           s->scale, attn, num_threads);
+            if (r == -2) code = DL_NO_MEMORY;
+            else if (r < 0) code = DL_BAD_DECODE;
+        }
+        for (int64_t p = 0; p < b->num_prefills && !code; p++) {
+            const int64_t start = b->prefill_start[p], n = b->prefill_end[p] - start;
+            const int r = paged_prefill_f32(qkv + start * Q, Q, kc, vc, num_blocks, bs, kvh, d,
+                                            b->prefill_tables + p * b->prefill_max_blocks,
+                                            b->prefill_table_lens[p], n,
+                                            b->prefill_context[p], h, s->scale,
+                                            attn + start * h * d, h * d, num_threads);
+            if (r == -2) code = DL_NO_MEMORY;
+            else if (r < 0) code = DL_BAD_PREFILL;
+        }
+        if (code) break;
+        linear_f32(attn, h * d, T, w->o, H, h * d, NULL, tmp, H, num_threads);
+        add_rms_norm_f32(x, H, tmp, H, w->post_norm, normed, H, T, H, s->eps, num_threads);
+        linear_f32(normed, H, T, w->gate_up, 2 * I, H, NULL, gu, 2 * I, num_threads);
+        silu_mul_f32(gu, 2 * I, act, I, T, I, num_threads);
+        linear_f32(act, I, T, w->down, H, I, NULL, tmp, H, num_threads);
+        add_in_place(x, tmp, T * H, num_threads);
+    }
+    free(normed); free(qkv); free(attn); free(tmp); free(gu); free(act);
+    return code;
+}

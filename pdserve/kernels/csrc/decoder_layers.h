@@ -1,0 +1,38 @@
+/* decoder_layers.c's interface; kernels/cpu_layers.py mirrors these structs with ctypes. */
+#pragma once
+#include <stdint.h>
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+} decoder_shape;
+
+/* One layer's float32 weights; projections in linear.c's panels, of (out, in) weights:
+ * qkv ((heads + 2 kv_heads) head_dim, hidden) with its bias or NULL, o (hidden, heads
+ * head_dim), gate_up (2 intermediate, hidden), down (hidden, intermediate). */
+typedef struct {
+    const float *input_norm, *post_norm;  /* (hidden,) */
+    const float *qkv, *qkv_bias, *o, *gate_up, *down;
+} layer_weights;
+
+/* One step's attention batch (attention.py's AttentionMetadata), int64 throughout. */
+typedef struct {
+    const int64_t *slots;                  /* (T,) flat cache slot of each token */
+    int64_t num_decodes, decode_max_blocks;
+    const int64_t *decode_rows, *decode_lens, *decode_tables;  /* (B,), (B,), (B, max) */
+    int64_t num_prefills, prefill_max_blocks;
+    const int64_t *prefill_start, *prefill_end, *prefill_context, *prefill_table_lens;  /* (P,) */
+    const int64_t *prefill_tables;         /* (P, prefill_max_blocks) */
+} step_batch;
+
+enum {
+    DL_UNSUPPORTED = -1,  /* head size or head counts the attention kernels do not serve */
+    DL_NO_MEMORY = -2,
+    DL_BAD_SLOT = -3,     /* a token's cache slot outside the cache */
+    DL_BAD_DECODE = -4,   /* a decode that does not fit its block table or the cache */
+    DL_BAD_PREFILL = -5,  /* likewise a prefill span */
+};
+
+int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_weights *layers,
+                       float *kv, int64_t num_blocks, int64_t bs, const float *cos,
+                       const float *sin, const step_batch *b, int num_threads);

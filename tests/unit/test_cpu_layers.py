@@ -1,0 +1,119 @@
+"""The decoder's layers in one native call (kernels/cpu_layers.py): bit for bit the module
+path's hidden states and KV cache on mixed decode + prefill steps, and bad metadata refused
+before any cache write (tests/engine/test_native_layers_hf.py compares with transformers)."""
+
+import pytest
+import torch
+
+from pdserve.kernels import native
+from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
+from pdserve.kernels.cpu_layers import NativeLayers
+from pdserve.models.arch import ModelArch
+from pdserve.models.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+
+BLOCK, NUM_BLOCKS = 8, 40
+
+
+def arch(**kw) -> ModelArch:
+    base = dict(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=256,
+                intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=True,
+                attention_bias=False, bos_token_id=None, eos_token_ids=(0,),
+                torch_dtype="float32")
+    return ModelArch(**(base | kw))
+
+
+def packed_model(a: ModelArch) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(a).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases away from their 1 / 0 defaults
+            p.add_(torch.randn_like(p) * 0.05)
+    model.pack_for_cpu()
+    return model
+
+
+def mixed_step(a: ModelArch):
+    """Three decodes (contexts 9, 17 and 30 tokens) around two prefill spans (5 new tokens
+    over 12, and 7 new over 7), in scattered blocks; the earlier context already cached."""
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randperm(NUM_BLOCKS, generator=g)
+    tables = [blocks[0:2], blocks[2:5], blocks[5:9], blocks[9:11], blocks[11:12]]
+    lens = [9, 17, 30, 12, 7]  # each sequence's context after this step
+    new = [1, 1, 1, 5, 7]
+    # batch rows: decode, prefill of 5, decode, decode, prefill of 7
+    kinds, seqs = ["d", "p", "d", "d", "p"], [0, 3, 1, 2, 4]
+    slots, positions, rows, spans, t = [], [], [], [], 0
+    dec_tables, dec_lens = [], []
+    for kind, s in zip(kinds, seqs):
+        n, length, table = new[s], lens[s], tables[s]
+        for pos in range(length - n, length):
+            slots.append(int(table[pos // BLOCK]) * BLOCK + pos % BLOCK)
+            positions.append(pos)
+        if kind == "d":
+            rows.append(t)
+            dec_tables.append(torch.nn.functional.pad(table, (0, 4 - table.numel())))
+            dec_lens.append(length)
+        else:
+            spans.append(PrefillSpan(t, t + n, length, table))
+        t += n
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(rows), torch.stack(dec_tables),
+                             torch.tensor(dec_lens), spans)
+    cache = torch.randn(a.num_hidden_layers, 2, NUM_BLOCKS, BLOCK, a.num_key_value_heads,
+                        a.head_dim, generator=g)
+    ids = torch.randint(1, a.vocab_size, (t,), generator=g)
+    return ids, torch.tensor(positions), cache, meta
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_layers_equal_the_modules_bit_for_bit(bias, monkeypatch):
+    a = arch(attention_bias=bias, architecture="Qwen2ForCausalLM" if bias else
+             "LlamaForCausalLM")
+    model = packed_model(a)
+    assert model.native_layers is not None
+    ids, positions, cache, meta = mixed_step(a)
+    calls = []
+    run = NativeLayers.__call__
+    monkeypatch.setattr(NativeLayers, "__call__", lambda *args: calls.append(1) or run(*args))
+    native_cache, module_cache = cache.clone(), cache.clone()
+    with torch.inference_mode():
+        got = model(ids, positions, native_cache, meta)
+        layers, model.native_layers = model.native_layers, None
+        want = model(ids, positions, module_cache, meta)
+        model.native_layers = layers
+    assert calls == [1]  # the first forward took the native loop
+    assert torch.equal(got, want)
+    assert torch.equal(native_cache, module_cache)
+    assert not torch.equal(native_cache, cache)  # the step's keys and values were written
+
+
+@pytest.mark.parametrize("field,message", [("slot", "cache slot"), ("row", "decode"),
+                                           ("table", "decode"), ("span", "prefill")])
+def test_bad_metadata_is_refused_before_any_write(field, message):
+    a = arch()
+    model = packed_model(a)
+    ids, positions, cache, meta = mixed_step(a)
+    if field == "slot":
+        meta.slot_mapping[2] = NUM_BLOCKS * BLOCK
+    elif field == "row":
+        meta.decode_token_idx[1] = len(ids)
+    elif field == "table":
+        meta.decode_block_tables[0, 0] = NUM_BLOCKS
+    else:
+        meta.prefills[0].token_end = len(ids) + 3
+    before = cache.clone()
+    with torch.inference_mode(), pytest.raises(ValueError, match=message):
+        model(ids, positions, cache, meta)
+    if field in ("slot", "row", "span"):  # checked before the first layer
+        assert torch.equal(cache, before)
+
+
+def test_models_with_extras_keep_the_module_path():
+    assert NativeLayers.build(packed_model(arch(head_dim=32, hidden_size=128))) is None
+    qk_norm = packed_model(arch(architecture="Qwen3ForCausalLM", qk_norm=True))
+    assert qk_norm.native_layers is None
+    unpacked = LlamaForCausalLM(arch()).eval()  # projections not packed
+    assert NativeLayers.build(unpacked) is None
