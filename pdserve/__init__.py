@@ -14,9 +14,11 @@ import os
 # there before exec ("epoll_wait error: Bad file descriptor", grpc/grpc#43055). Read when
 # gRPC initialises, so this must come before the first `import grpc`; a user's setting wins.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-# OpenMP threads that spin long at barriers collapse on shared cores (cpu_budget.py); read when
-# torch loads libgomp, so this too must come first. A user's setting wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# OpenMP's barrier spin and wait policy (cpu_budget.py), read when torch loads libgomp, so they
+# too must come first. A user's settings win.
+from pdserve.cpu_budget import set_openmp_defaults  # noqa: E402 - light: no torch
+
+set_openmp_defaults()
 
 _EXPORTS = {
     "LLM": "pdserve.engine.llm",

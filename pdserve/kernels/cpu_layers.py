@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import native
+from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.cpu_decode import HEAD_SIZES
 from pdserve.kernels.cpu_linear import PackedLinear
 
@@ -119,7 +120,7 @@ class NativeLayers:
                                                                         self.head_dim))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_cache: torch.Tensor, meta) -> None:
+                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Run every layer on x (updated in place); `serves` must hold. Raises ValueError for
         a slot, decode or prefill span that does not fit the cache."""
         i64 = torch.int64

@@ -3,6 +3,7 @@ OpenMP spin default that keeps shared cores from collapsing (benchmarks/cpu_budg
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from pdserve.cpu_budget import available_cores, format_cores, parse_cores, split_cores
+from pdserve.cpu_budget import (available_cores, format_cores, parse_cores, split_cores,
+                                torch_ships_libgomp)
 
 
 def test_parse_and_format_cores():
@@ -34,7 +36,8 @@ def test_split_gives_disjoint_shares_then_round_robin():
 def _child(code: str, env: dict | None = None, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                          check=True, env={**{k: v for k, v in os.environ.items()
-                                             if k not in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS")},
+                                             if k not in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS",
+                                                          "OMP_WAIT_POLICY")},
                                           **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -43,6 +46,18 @@ def test_import_pdserve_sets_the_spin_default_before_torch_and_keeps_a_users():
     code = "import json, os, pdserve; print(json.dumps(os.environ.get('GOMP_SPINCOUNT')))"
     assert _child(code) == "10000"
     assert _child(code, {"GOMP_SPINCOUNT": "123"}) == "123"
+
+
+def test_import_pdserve_sets_the_wait_policy_for_libgomp_only_and_keeps_a_users():
+    """libgomp's throttled spin (more OpenMP threads than cores: a server's engine thread
+    beside the loading thread's pool) is 1,000 with the active policy, 100 without."""
+    code = "import json, os, pdserve; print(json.dumps(os.environ.get('OMP_WAIT_POLICY')))"
+    if sys.platform == "linux":  # the OpenMP library torch maps once loaded
+        importlib.import_module("torch")
+        mapped = [line.split()[-1] for line in open("/proc/self/maps") if "omp" in line]
+        assert torch_ships_libgomp() == any("libgomp" in path for path in mapped)
+    assert _child(code) == ("active" if torch_ships_libgomp() else None)
+    assert _child(code, {"OMP_WAIT_POLICY": "passive"}) == "passive"
 
 
 def test_cli_pins_the_engine_process_with_one_thread_per_core():

@@ -1,0 +1,54 @@
+"""An engine stepping on its own thread (a server's EngineLoop) while the loading thread keeps
+an OpenMP pool: libgomp counts more threads than cores and throttles the barrier spin, so the
+compute threads sleep and wake at every barrier unless pdserve's wait-policy default
+(cpu_budget.set_openmp_defaults) raises the throttled spin. Counted in context switches, in
+child processes that set the policy before torch loads."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cpu_budget import available_cores, torch_ships_libgomp
+
+CHILD = """
+import json, os, resource, sys, threading
+import pdserve  # sets OMP_WAIT_POLICY before torch loads
+if sys.argv[2] == "unset":
+    os.environ.pop("OMP_WAIT_POLICY", None)
+import torch
+from pdserve import LLM, SamplingParams, TokensPrompt
+llm = LLM(model=sys.argv[1], kv_cache_memory_bytes=1 << 24)
+torch.ones(1 << 22).sum()  # the loading thread holds an OpenMP pool, as a server's does
+engine, switches = llm.llm_engine, []
+def steps():
+    engine.add_request("r", TokensPrompt(prompt_token_ids=list(range(5, 69))),
+                       SamplingParams(max_tokens=500, ignore_eos=True, temperature=0))
+    for _ in range(3):
+        engine.step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    for _ in range(100):
+        engine.step()
+    switches.append(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before)
+thread = threading.Thread(target=steps)
+thread.start()
+thread.join()
+print(json.dumps(switches[0]))
+"""
+
+
+def _switches(model_dir, policy: str) -> int:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), policy], env=env,
+                         capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(len(available_cores()) < 2 or not torch_ships_libgomp(),
+                    reason="needs two cores and torch's libgomp")
+def test_engine_thread_keeps_spinning_beside_another_pool(tiny_model_dir):
+    active, unset = _switches(tiny_model_dir, "active"), _switches(tiny_model_dir, "unset")
+    assert active * 3 < unset, (active, unset)  # about 400 against 3,400 on 2 cores
