@@ -5,7 +5,7 @@ Each configuration runs in a fresh process (libgomp reads its settings when torc
 `--num-requests` greedy requests (prompts of 64-184 real-text tokens, `--max-tokens` new
 tokens each, `ignore_eos`) through `LLM.generate` on the bundled SmolLM2, float32, timed after
 a warm-up. Configurations: libgomp's default spin (GOMP_SPINCOUNT=300000, what torch does
-unless told), pdserve's default (10000, set by `import pdserve`), a passive wait (0), and one
+unless told), pdserve's default (1000, set by `import pdserve`), a passive wait (0), and one
 compute thread. "Busy" runs start `python -c 'while 1: pass'` first and stop it after.
 Rounds alternate the configurations; medians.
 

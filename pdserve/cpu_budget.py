@@ -3,9 +3,11 @@ starts, and how long those threads spin at a barrier before they sleep.
 
 On shared cores, OpenMP's default wait (libgomp spins 300,000 times at every barrier) burns
 the time slice of a thread whose partner was descheduled: beside one other busy process,
-pdserve's tokens per CPU-second fell 4.6x. A spin of 10,000 keeps the quiet-machine speed and
-loses under a fifth beside a busy process (benchmarks/results/cpu_budget.md), so pdserve sets
-`GOMP_SPINCOUNT=10000` unless the environment sets it. Both settings must be made before
+pdserve's tokens per CPU-second fell 4.6x. Since a step's layers run in one native call
+(kernels/cpu_layers.py), the gaps between barriers are microseconds: a spin of 1,000 keeps the
+quiet-machine speed and loses under a tenth beside a busy process, where 10,000 now lost half
+(benchmarks/results/cpu_budget.md), so pdserve sets `GOMP_SPINCOUNT=1000` unless the
+environment sets it. Both settings must be made before
 torch is imported (libgomp reads them once): `pdserve/__init__.py` and the CLI do that.
 `pdserve up` gives each engine process its own cores (`split_cores`).
 
@@ -13,10 +15,10 @@ libgomp also cuts the spin to a "throttled" 100 whenever the process holds more 
 threads than cores, and a server does: its engine steps on its own thread (engine_loop.py)
 while the thread that loaded the model keeps an idle pool, as do the KV transports' threads.
 The engine's threads then sleep and wake at every barrier (a decode step of 8 sequences 17.7
-instead of 14.0 ms). `OMP_WAIT_POLICY=active` raises that count to 1,000, which keeps the
-speed (15.1-15.8 ms against 15.4-15.5 on the main thread, same run), while the spin itself
-stays GOMP_SPINCOUNT's. pdserve sets it unless the environment does, and only where torch
-ships libgomp: LLVM's and Intel's OpenMP read "active" as "spin without end".
+instead of 14.0 ms). `OMP_WAIT_POLICY=active` raises that count to 1,000 (never above
+GOMP_SPINCOUNT), which keeps the speed (15.1-15.8 ms against 15.4-15.5 on the main thread,
+same run). pdserve sets it unless the environment does, and only where torch ships libgomp:
+LLVM's and Intel's OpenMP read "active" as "spin without end".
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 from pathlib import Path
 
 SPIN_ENV = "GOMP_SPINCOUNT"
-DEFAULT_SPIN = "10000"
+DEFAULT_SPIN = "1000"
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 CORES_ENV = "PDSERVE_CPU_CORES"
 

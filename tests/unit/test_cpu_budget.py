@@ -44,7 +44,7 @@ def _child(code: str, env: dict | None = None, *args: str) -> dict:
 
 def test_import_pdserve_sets_the_spin_default_before_torch_and_keeps_a_users():
     code = "import json, os, pdserve; print(json.dumps(os.environ.get('GOMP_SPINCOUNT')))"
-    assert _child(code) == "10000"
+    assert _child(code) == "1000"
     assert _child(code, {"GOMP_SPINCOUNT": "123"}) == "123"
 
 
