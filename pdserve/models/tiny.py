@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pdserve.models.arch import ModelArch
 from pdserve.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
 # Bump when the generated weights change, so cached directories are rewritten.
@@ -78,6 +79,18 @@ def _build_config(architecture: str, tok: Any, kw: dict[str, Any]) -> Any:
         raise ValueError(f"model: tiny architecture {architecture!r} is not supported")
     cfg.architectures = [architecture]
     return cfg
+
+
+def tiny_arch(**overrides: Any) -> ModelArch:
+    """A small float32 Llama architecture (2 layers, hidden 64, 4 heads of 16, 2 KV heads, 300
+    tokens) for building random models in memory; `overrides` replace any field."""
+    fields: dict[str, Any] = dict(
+        architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+        tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=(0,),
+        torch_dtype="float32")
+    return ModelArch(**(fields | overrides))
 
 
 def write_tiny_llama(

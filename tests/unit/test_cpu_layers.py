@@ -10,6 +10,7 @@ from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
 from pdserve.kernels.cpu_layers import NativeLayers
 from pdserve.models.arch import ModelArch
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.tiny import tiny_arch
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels not built")
 
@@ -17,13 +18,9 @@ BLOCK, NUM_BLOCKS = 8, 40
 
 
 def arch(**kw) -> ModelArch:
-    base = dict(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=256,
-                intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=True,
-                attention_bias=False, bos_token_id=None, eos_token_ids=(0,),
-                torch_dtype="float32")
-    return ModelArch(**(base | kw))
+    """Head size 64 (the native loop's smallest), 3 layers, room for the mixed step's cache."""
+    return tiny_arch(**({"hidden_size": 256, "intermediate_size": 192, "num_hidden_layers": 3,
+                         "head_dim": 64, "max_position_embeddings": 512} | kw))
 
 
 def packed_model(a: ModelArch) -> LlamaForCausalLM:

@@ -7,8 +7,8 @@ from torch import nn
 
 from pdserve.kernels import native
 from pdserve.kernels.cpu_linear import PackedLinear, can_pack, pack_linears, pack_panels
-from pdserve.models.arch import ModelArch
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.tiny import tiny_arch
 
 LAYOUTS = [pytest.param("panels", marks=pytest.mark.skipif(native.load() is None,
                                                            reason="native kernels not built")),
@@ -105,12 +105,7 @@ def test_pack_linears_replaces_float32_cpu_layers_only():
 
 @pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="no packed layout on this machine")
 def test_packed_model_matches_plain_model():
-    arch = ModelArch(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64,
-                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                     rope_scaling=None, max_position_embeddings=256, tie_word_embeddings=True,
-                     attention_bias=False, bos_token_id=None, eos_token_ids=(0,),
-                     torch_dtype="float32")
+    arch = tiny_arch()
     torch.manual_seed(0)
     plain = LlamaForCausalLM(arch).eval()
     packed = LlamaForCausalLM(arch).eval()
