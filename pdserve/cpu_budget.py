@@ -1,15 +1,15 @@
 """The CPU budget of an engine process: which cores it runs on, how many compute threads it
 starts, and how long those threads spin at a barrier before they sleep.
 
-On shared cores, OpenMP's default wait (libgomp spins 300,000 times at every barrier) burns
-the time slice of a thread whose partner was descheduled: beside one other busy process,
-pdserve's tokens per CPU-second fell 4.6x. Since a step's layers run in one native call
+On shared cores, OpenMP's default wait (libgomp spins 300,000 times at every barrier) burns the
+time slice of a thread whose partner was descheduled: beside one other busy process, pdserve's
+tokens per CPU-second fell 4.6x. Since a step's layers run in one native call
 (kernels/cpu_layers.py), the gaps between barriers are microseconds: a spin of 1,000 keeps the
 quiet-machine speed and loses under a tenth beside a busy process, where 10,000 now lost half
 (benchmarks/results/cpu_budget.md), so pdserve sets `GOMP_SPINCOUNT=1000` unless the
-environment sets it. Both settings must be made before
-torch is imported (libgomp reads them once): `pdserve/__init__.py` and the CLI do that.
-`pdserve up` gives each engine process its own cores (`split_cores`).
+environment sets it. Both settings must be made before torch is imported (libgomp reads them
+once): `pdserve/__init__.py` and the CLI do that. `pdserve up` gives each engine process its
+own cores (`split_cores`).
 
 libgomp also cuts the spin to a "throttled" 100 whenever the process holds more OpenMP
 threads than cores, and a server does: its engine steps on its own thread (engine_loop.py)

@@ -128,6 +128,9 @@ class NativeLayers:
         rows = meta.decode_token_idx.to(i64).contiguous()
         lens = meta.decode_seq_lens.to(i64).contiguous()
         tables = meta.decode_block_tables.to(i64).contiguous()
+        if slots.numel() != x.shape[0] or rows.numel() != lens.numel() or (
+                rows.numel() and tables.shape[0] != rows.numel()):
+            raise ValueError("attention metadata: sizes do not match the step's tokens")
         spans = meta.prefills
         bounds = torch.tensor([[s.token_start, s.token_end, s.context_len, s.block_table.numel()]
                                for s in spans], dtype=i64).reshape(len(spans), 4).t().contiguous()
@@ -135,9 +138,6 @@ class NativeLayers:
         span_tables = torch.zeros(len(spans), max(width, 1), dtype=i64)
         for i, s in enumerate(spans):
             span_tables[i, :s.block_table.numel()] = s.block_table
-        if slots.numel() != x.shape[0] or rows.numel() != lens.numel() or (
-                rows.numel() and tables.shape[0] != rows.numel()):
-            raise ValueError("attention metadata: sizes do not match the step's tokens")
         batch = _StepBatch(slots.data_ptr(), rows.numel(), tables.shape[-1], rows.data_ptr(),
                            lens.data_ptr(), tables.data_ptr(), len(spans), span_tables.shape[1],
                            *(bounds[i].data_ptr() for i in range(4)), span_tables.data_ptr())
