@@ -50,5 +50,9 @@ def _switches(model_dir, policy: str) -> int:
 @pytest.mark.skipif(len(available_cores()) < 2 or not torch_ships_libgomp(),
                     reason="needs two cores and torch's libgomp")
 def test_engine_thread_keeps_spinning_beside_another_pool(tiny_model_dir):
+    if os.getloadavg()[0] > 2 * len(available_cores()):
+        # Other jobs preempt the compute threads: long waits, which outlast either spin, then
+        # dominate both counts, and the comparison says nothing.
+        pytest.skip("the machine is too busy to count barrier sleeps")
     active, unset = _switches(tiny_model_dir, "active"), _switches(tiny_model_dir, "unset")
     assert active * 3 < unset, (active, unset)  # about 400 against 3,400 on 2 cores
