@@ -14,29 +14,7 @@
 #include <stdlib.h>
 
 #include "decoder_layers.h"
-
-void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
-                  int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads);
-void add_rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
-                      const float *w, float *out, int64_t out_stride, int64_t rows, int64_t n,
-                      float eps, int num_threads);
-void silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t out_stride,
-                  int64_t rows, int64_t n, int num_threads);
-void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
-                const float *cos, const float *sin, int num_threads);
-void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *panels, int64_t n,
-                int64_t k, const float *bias, float *out, int64_t out_stride, int num_threads);
-int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                     int64_t num_blocks, int64_t bs, int64_t kvh, int64_t d,
-                     const int64_t *tables, int64_t max_blocks, const int64_t *lens,
-                     const int64_t *rows, int64_t B, int64_t h, float scale, float *out,
-                     int num_threads);
-int paged_prefill_f32(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                      int64_t num_blocks, int64_t bs, int64_t kvh, int64_t d,
-                      const int64_t *table, int64_t table_len, int64_t n, int64_t L, int64_t h,
-                      float scale, float *out, int64_t out_stride, int num_threads);
-
-#define PARALLEL_MIN_VALUES (1 << 16)
+#include "kernels.h"
 
 static void add_in_place(float *x, const float *y, int64_t count, int num_threads)
 {

@@ -10,9 +10,8 @@
  * Row strides are in floats; rows are shared among OpenMP threads only when there are enough
  * of them (waking threads costs more than a decode step's few rows).
  */
+#include "kernels.h"
 #include "vec16.h"
-
-#define PARALLEL_MIN_VALUES (1 << 16)
 
 static void norm_row(const float *x, const float *w, float *out, int64_t n, float eps)
 {

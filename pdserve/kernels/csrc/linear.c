@@ -13,6 +13,7 @@
  */
 #include <stddef.h>
 
+#include "kernels.h"
 #include "vec16.h"
 
 #define PANEL 32

@@ -17,6 +17,7 @@
  */
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vec16.h"
 
 /* Softmax of s[0..L) in place; returns 1 / (sum of exponentials). */

@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vec16.h"
 
 #define QUERY_TILE 64  /* query tokens per work item, at most */
