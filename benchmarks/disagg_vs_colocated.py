@@ -2,11 +2,12 @@
 
 Colocated: one decode instance that prefills everything itself (the router's disaggregation
 threshold set above every prompt). 1P1D: a prefill and a decode instance, every prompt
-disaggregated (threshold 0), each on its own share of the cores as `pdserve up` gives them;
-1P1D shared: the same with `cpu_split=False` (both processes use every core). All are driven through `Router.Generate` by the same closed-loop
+disaggregated (threshold 0), both on every core, taking turns to compute steps as `pdserve up`
+runs them (cpu_turns.py); 1P1D split: each on its own share of the cores; 1P1D shared: both on
+every core without turns. All are driven through `Router.Generate` by the same closed-loop
 clients, so the ratios compare only the serving topology.
 
-    python benchmarks/disagg_vs_colocated.py --out benchmarks/results/disagg_vs_colocated.json
+    python benchmarks/disagg_vs_colocated.py --rounds 2 --out benchmarks/results/disagg_vs_colocated.json
 """
 
 from __future__ import annotations
@@ -74,13 +75,17 @@ def drive(address: str, requests, concurrency: int) -> dict:
             "ttft_mean_s": statistics.mean(ttft)}
 
 
+SHARING = {"colocated": "turns", "1p1d": "turns", "1p1d_split": "split",
+           "1p1d_shared": "shared"}
+
+
 def run(topology: str, args, requests) -> dict:
     disagg = topology.startswith("1p1d")
     spec = ClusterSpec(model=args.model, num_prefill=1 if disagg else 0,
                        num_decode=1, connector=args.connector, grpc_port=0,
                        disagg_threshold=0 if disagg else 10**9,
                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                       cpu_split=topology != "1p1d_shared")
+                       cpu_sharing=SHARING[topology])
     with Cluster(spec) as cluster:
         return drive(cluster.router_address, requests, args.concurrency)
 
@@ -93,25 +98,29 @@ def main() -> None:
     parser.add_argument("--connector", default="shm")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every topology this many times, interleaved")
+    parser.add_argument("--topologies", default=",".join(SHARING),
+                        help=f"comma-separated, from {', '.join(SHARING)}")
     parser.add_argument("--out")
     args = parser.parse_args()
+    topologies = args.topologies.split(",")
     requests = workload(args.requests, args.seed)
     load_before = os.getloadavg()
-    runs = {t: run(t, args, requests) for t in ("colocated", "1p1d", "1p1d_shared")}
+    rounds = [{t: run(t, args, requests) for t in topologies} for _ in range(args.rounds)]
     keys = ["output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"]
+    ratios = {f"{t}_over_colocated": [{k: r[t][k] / r["colocated"][k] for k in keys}
+                                      for r in rounds]
+              for t in topologies if t != "colocated" and "colocated" in topologies}
     report = {"workload": {"requests": args.requests, "concurrency": args.concurrency,
                            "prompt_tokens": "128-512", "output_tokens": "32-96",
                            "model": args.model, "connector": args.connector},
-              "load_before": load_before, "load_after": os.getloadavg(), **runs,
-              "ratio_1p1d_over_colocated": {k: runs["1p1d"][k] / runs["colocated"][k]
-                                            for k in keys},
-              "ratio_1p1d_shared_over_colocated": {
-                  k: runs["1p1d_shared"][k] / runs["colocated"][k] for k in keys}}
+              "load_before": load_before, "load_after": os.getloadavg(), "rounds": rounds,
+              "ratios": ratios}
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-
 
 if __name__ == "__main__":
     main()

@@ -9,6 +9,7 @@ import sys
 
 from pdserve.cli_help import HelpFormatter, finish_help
 from pdserve.cpu_budget import add_cpu_args, apply_cpu_budget, cores_from_args
+from pdserve.cpu_turns import use_cpu_turns
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.parent_watch import watch_parent
 from pdserve.ports import PortInUse, check_bindable
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "up":  # up's --cpu-cores are the pool it splits
             watch_parent()  # a child of `pdserve up` stops with it
             apply_cpu_budget(cores_from_args(args))
+            use_cpu_turns(getattr(args, "cpu_turns", None))
         check_ports(args)
         return args.func(args)
     except PortInUse as e:

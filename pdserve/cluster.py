@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.cpu_budget import format_cores, split_cores
+from pdserve.cpu_budget import available_cores, format_cores, split_cores
 from pdserve.logging_setup import FORMATS, LEVELS
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.parent_watch import PARENT_ENV
@@ -32,6 +32,7 @@ from pdserve.ports import pick_free_port
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
 
+CPU_SHARING = ("turns", "split", "shared")  # ClusterSpec.cpu_sharing
 SHM_DIR = "/dev/shm"  # where shm instances keep their KV segments (ShmTransport's default)
 
 
@@ -67,10 +68,11 @@ class ClusterSpec:
     instance_args: tuple[str, ...] = ()  # extra flags for every instance (e.g. --kv-lease-s 5)
     router_args: tuple[str, ...] = ()  # extra flags for the router
     gateway_args: tuple[str, ...] = ()  # extra flags for the HTTP gateway (`serve --router`)
-    # Engine processes get disjoint shares of these cores (cpu_budget.split_cores); None:
-    # every core this process may use. cpu_split=False: each uses all of them.
+    # How engine processes share these cores (None: every core this process may use):
+    # "turns": each runs on all of them, one step at a time (cpu_turns.py); "split": disjoint
+    # shares (cpu_budget.split_cores); "shared": each on all of them, no turns.
     cpu_cores: tuple[int, ...] | None = None
-    cpu_split: bool = True
+    cpu_sharing: str = "turns"
     http_port: int | None = None  # the OpenAI-format gateway in front of the router (None: none)
     api_key: str | None = None  # the gateway's Bearer key
     log_level: str = "info"  # every process's --log-level and --log-format
@@ -85,6 +87,9 @@ class ClusterSpec:
                              f"{self.num_prefill} and {self.num_decode}")
         if self.connector not in ("shm", "tcp", "nixl"):
             raise ValueError(f"connector: expected shm, tcp or nixl, got {self.connector!r}")
+        if self.cpu_sharing not in CPU_SHARING:
+            raise ValueError(f"cpu_sharing: expected one of {', '.join(CPU_SHARING)}, got "
+                             f"{self.cpu_sharing!r}")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
         if self.log_level not in LEVELS or self.log_format not in FORMATS:
@@ -188,13 +193,11 @@ class Cluster:
             if s.api_key:
                 gateway_cmd += ["--api-key", s.api_key]
             self._spawn("gateway", "gateway", self.http_address, gateway_cmd)
-        shares = split_cores(len(planned), list(s.cpu_cores) if s.cpu_cores else None)
-        for (name, role), cores in zip(planned, shares):
+        for (name, role), cpu_flags in zip(planned, self._cpu_flags(len(planned))):
             cmd = [role, "--model", s.model, "--host", s.host,
                    "--port", addresses[name].rsplit(":", 1)[1], "--connector", s.connector,
-                   "--router", self.router_address, "--instance-id", name, *s.instance_args]
-            if s.cpu_split:
-                cmd += ["--cpu-cores", format_cores(cores)]
+                   "--router", self.router_address, "--instance-id", name, *s.instance_args,
+                   *cpu_flags]
             if s.kv_cache_memory_bytes:
                 cmd += ["--kv-cache-memory-bytes", str(s.kv_cache_memory_bytes)]
             if s.kv_cache_memory_fraction:
@@ -202,6 +205,18 @@ class Cluster:
             if s.redis_url:
                 cmd += ["--redis-url", s.redis_url]
             self._spawn(name, role, addresses[name], cmd)
+
+    def _cpu_flags(self, num_engines: int) -> list[list[str]]:
+        """Each engine process's CPU flags for the spec's cpu_sharing."""
+        s = self.spec
+        pool = list(s.cpu_cores) if s.cpu_cores else available_cores()
+        if s.cpu_sharing == "split":
+            return [["--cpu-cores", format_cores(share)]
+                    for share in split_cores(num_engines, pool)]
+        flags = ["--cpu-cores", format_cores(pool)]
+        if s.cpu_sharing == "turns":
+            flags += ["--cpu-turns", str(self.log_dir / "cpu-turns")]
+        return [flags] * num_engines
 
     def _spawn(self, name: str, role: str, address: str, args: list[str]) -> None:
         log_path = self.log_dir / f"{name}.log"

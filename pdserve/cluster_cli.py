@@ -18,7 +18,7 @@ import secrets
 import signal
 import sys
 
-from pdserve.cluster import Cluster, ClusterError, ClusterSpec
+from pdserve.cluster import CPU_SHARING, Cluster, ClusterError, ClusterSpec
 from pdserve.cpu_budget import parse_cores
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.server import tool_parser_from_args
@@ -85,9 +85,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--cpu-cores", default=None,
                    help="the cores the engine processes share out (e.g. 0-7; default: every "
                         "core this process may use)")
-    p.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
-                   help="give each prefill/decode process its own share of the cores, one "
-                        "compute thread per core (--no-cpu-split: each uses all of them)")
+    p.add_argument("--cpu-sharing", choices=CPU_SHARING, default=ClusterSpec.cpu_sharing,
+                   help="how the prefill/decode processes share the cores: turns (each "
+                        "computes a step on all of them, one process at a time), split (each "
+                        "its own cores, one compute thread per core) or shared (all of them, "
+                        "no turns)")
     add_log_args(p)
     EngineArgs.add_cli_args(p)  # passed on to every instance (the model to the router too)
     p.set_defaults(func=run_up)
@@ -106,7 +108,7 @@ def run_up(args: argparse.Namespace) -> int:
         log_format=args.log_format, instance_args=tuple(engine_flags(args)),
         gateway_args=tuple(gateway_flags(args)),
         cpu_cores=tuple(parse_cores(args.cpu_cores)) if args.cpu_cores else None,
-        cpu_split=args.cpu_split)
+        cpu_sharing=args.cpu_sharing)
     cluster = Cluster(spec)
     announce(f"logs       {cluster.log_dir}")  # first, so a slow or failed start can be read
     stop = cluster.interrupted

@@ -8,8 +8,8 @@ tokens per CPU-second fell 4.6x. Since a step's layers run in one native call
 quiet-machine speed and loses under a tenth beside a busy process, where 10,000 now lost half
 (benchmarks/results/cpu_budget.md), so pdserve sets `GOMP_SPINCOUNT=1000` unless the
 environment sets it. Both settings must be made before torch is imported (libgomp reads them
-once): `pdserve/__init__.py` and the CLI do that. `pdserve up` gives each engine process its
-own cores (`split_cores`).
+once): `pdserve/__init__.py` and the CLI do that. `pdserve up` runs its engine processes on
+all the cores, taking turns (cpu_turns.py), or gives each its own cores (`split_cores`).
 
 libgomp also cuts the spin to a "throttled" 100 whenever the process holds more OpenMP
 threads than cores, and a server does: its engine steps on its own thread (engine_loop.py)
@@ -28,6 +28,8 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+
+from pdserve.cpu_turns import TURNS_ENV
 
 SPIN_ENV = "GOMP_SPINCOUNT"
 DEFAULT_SPIN = "1000"
@@ -115,6 +117,10 @@ def add_cpu_args(parser: argparse.ArgumentParser) -> None:
                         help="run the engine on these cores only, one compute thread each "
                              f"(e.g. 0-3,6; env {CORES_ENV}; default: every core this "
                              "process may use)")
+    parser.add_argument("--cpu-turns", default=os.environ.get(TURNS_ENV), metavar="LOCK_FILE",
+                        help="take turns computing steps with the other engine processes "
+                             "that name this lock file (cpu_turns.py; env "
+                             f"{TURNS_ENV}; default: no turns)")
 
 
 def cores_from_args(args: argparse.Namespace) -> list[int] | None:

@@ -9,6 +9,7 @@ which drops it only for an instant between steps, take it again step after step.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -17,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.cpu_turns import cpu_turn
 from pdserve.engine.request_log import RequestLog
 from pdserve.engine.stats_logger import Counters, StatsLogger
 from pdserve.outputs import RequestOutput
@@ -232,6 +234,7 @@ class EngineLoop:
                 self._run_calls()
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
+                with self._cpu_turn(busy), self._lock:
                     outputs = self.engine.step()
                     streams = [(self._streams.get(o.request_id), o) for o in outputs]
                     for _, o in streams:
@@ -249,6 +252,13 @@ class EngineLoop:
                 self._wake.wait(self.idle_tick_s)
                 self._wake.clear()
         self._run_calls()  # those queued while it stopped
+
+    def _cpu_turn(self, busy: bool) -> contextlib.AbstractContextManager:
+        """A CPU engine's step with work to do holds its process's turn (cpu_turns.py): the
+        whole step, since its Python work would otherwise preempt the other's compute."""
+        if busy and self.engine.config.device.device == "cpu":
+            return cpu_turn()
+        return contextlib.nullcontext()
 
     def _log(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         if self.request_log is not None:

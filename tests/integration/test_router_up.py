@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.cpu_budget import split_cores
+from pdserve.cpu_budget import available_cores
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -32,6 +32,16 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"  # a zombie has exited
+
+
+def open_files(pid: int) -> set[str]:
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            found.add(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            pass
+    return found
 
 
 def wait_gone(pids, timeout):
@@ -78,12 +88,16 @@ def test_up_serves_and_sigterm_leaves_no_process(tiny_model_dir, tmp_path):
         assert list(endpoints)[:4] == ["http", "router", "prefill-0", "decode-0"]
         pids = children(proc.pid)
         assert len(pids) == 4
-        # Each engine process on its own share of the cores (pdserve.cpu_budget).
-        shares = split_cores(2)
-        for pid in pids:
-            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
-            if "prefill" in argv or "decode" in argv:
-                assert sorted(os.sched_getaffinity(pid)) == shares["decode" in argv]
+        # Each engine process on every core, taking turns in the cluster's lock file
+        # (pdserve.cpu_turns).
+        turns_file = str(tmp_path / "cpu-turns")
+        engines = [pid for pid in pids
+                   if {"prefill", "decode"} & set(Path(f"/proc/{pid}/cmdline").read_text()
+                                                  .split("\0"))]
+        assert len(engines) == 2
+        for pid in engines:
+            assert sorted(os.sched_getaffinity(pid)) == available_cores()
+            assert turns_file in open_files(pid)
         body = json.dumps({"model": str(tiny_model_dir), "prompt": "Hello", "max_tokens": 3,
                            "temperature": 0}).encode()
         req = urllib.request.Request(endpoints["http"] + "/completions", body,

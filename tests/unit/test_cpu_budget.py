@@ -73,3 +73,19 @@ def test_cli_pins_the_engine_process_with_one_thread_per_core():
                 "apply_cpu_budget([100000])")
     done = subprocess.run([sys.executable, "-c", code_bad], capture_output=True, text=True)
     assert done.returncode != 0 and "cpu_cores: 100000 not available" in done.stderr
+
+
+def test_cluster_engine_flags_for_each_way_of_sharing_cores(tmp_path):
+    """What `pdserve up --cpu-sharing` passes to its prefill and decode processes."""
+    from pdserve.cluster import Cluster, ClusterSpec
+
+    def flags(sharing):
+        spec = ClusterSpec(cpu_cores=(0, 1, 2), cpu_sharing=sharing, log_dir=str(tmp_path))
+        return Cluster(spec)._cpu_flags(2)
+
+    turns = ["--cpu-cores", "0,1,2", "--cpu-turns", str(tmp_path / "cpu-turns")]
+    assert flags("turns") == [turns, turns]
+    assert flags("split") == [["--cpu-cores", "0,1"], ["--cpu-cores", "2"]]
+    assert flags("shared") == [["--cpu-cores", "0,1,2"]] * 2
+    with pytest.raises(ValueError, match="cpu_sharing: expected one of turns, split, shared"):
+        ClusterSpec(cpu_sharing="spread")

@@ -1,0 +1,107 @@
+"""Turns on the CPU: engine processes on the same cores compute one step at a time.
+
+Two engines that each run one compute thread per core on the same cores (a prefill and a
+decode instance of `pdserve up` on one machine) slow each other down far more than their share:
+every layer ends at a barrier, and a thread that the other process preempts holds up its
+partners. Splitting the cores instead gives each phase a fraction of the machine even while
+the other has nothing to do. Turns give every step all the cores: a process holds the turn for
+a whole engine step (engine_loop.py; holding it for the model's compute only, and letting the
+other's scheduling and output work preempt that compute, was slower) and then hands it on.
+
+The turn is a file lock (`flock`), so the kernel hands it back when a holder dies. Two locks
+make it fair: a process queues on `<path>.next` before it waits on `<path>`, and leaves the
+queue once it holds the turn, so a process that just finished a step queues behind the one
+already waiting. A step never waits longer than `max_wait_s` for a turn (a peer stuck in a
+step must not stop this one): it then computes without one and logs a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+TURNS_ENV = "PDSERVE_CPU_TURNS"
+DEFAULT_MAX_WAIT_S = 30.0
+
+_IDLE, _WANTED, _HELD, _DONE = "idle", "wanted", "held", "done"
+
+
+class CpuTurns:
+    """One process's side of the turns kept in the lock file `path` (created if missing)."""
+
+    def __init__(self, path: str, max_wait_s: float = DEFAULT_MAX_WAIT_S):
+        if max_wait_s <= 0:
+            raise ValueError(f"cpu_turns: max_wait_s must be > 0, got {max_wait_s}")
+        try:
+            self._run = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._next = os.open(path + ".next", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise ValueError(f"cpu_turns: cannot open lock file {path!r}: {e.strerror}") from None
+        self.path = path
+        self.max_wait_s = max_wait_s
+        self.turns_taken = 0
+        self.turns_missed = 0
+        self._state = _IDLE
+        self._changed = threading.Condition()
+        # The locks are taken on a thread of their own, so that a step can stop waiting.
+        threading.Thread(target=self._keep_turns, name="cpu-turns", daemon=True).start()
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[bool]:
+        """Hold the turn for the block; yields False if it computes without one (waited
+        max_wait_s)."""
+        with self._changed:
+            self._state = _WANTED
+            self._changed.notify_all()
+            granted = self._changed.wait_for(lambda: self._state == _HELD, self.max_wait_s)
+            if not granted:
+                self._state = _IDLE  # the keeper hands the turn straight back when it comes
+                self.turns_missed += 1
+        if not granted:
+            logger.warning("no CPU turn within %.0fs (%s): computing this step without one",
+                           self.max_wait_s, self.path)
+        try:
+            yield granted
+        finally:
+            if granted:
+                with self._changed:
+                    self.turns_taken += 1
+                    self._state = _DONE
+                    self._changed.notify_all()
+
+    def _keep_turns(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._state == _WANTED)
+            fcntl.flock(self._next, fcntl.LOCK_EX)
+            fcntl.flock(self._run, fcntl.LOCK_EX)
+            fcntl.flock(self._next, fcntl.LOCK_UN)
+            with self._changed:
+                if self._state == _WANTED:
+                    self._state = _HELD
+                    self._changed.notify_all()
+                    self._changed.wait_for(lambda: self._state != _HELD)
+                if self._state == _DONE:
+                    self._state = _IDLE
+            fcntl.flock(self._run, fcntl.LOCK_UN)
+
+
+_process_turns: CpuTurns | None = None
+
+
+def use_cpu_turns(path: str | None) -> CpuTurns | None:
+    """Make this process's CPU engines take turns in `path` (None: they do not)."""
+    global _process_turns
+    _process_turns = CpuTurns(path) if path else None
+    return _process_turns
+
+
+def cpu_turn() -> contextlib.AbstractContextManager:
+    """The turn a CPU engine step holds while it computes (nothing when turns are off)."""
+    return _process_turns.turn() if _process_turns is not None else contextlib.nullcontext()
