@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     a bad value (ValueError), 1 for a busy port."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command != "up":  # up's --cpu-cores are the pool it splits
+        if args.command != "up":  # up's --cpu-cores are the pool it shares out
             watch_parent()  # a child of `pdserve up` stops with it
             apply_cpu_budget(cores_from_args(args))
             use_cpu_turns(getattr(args, "cpu_turns", None))

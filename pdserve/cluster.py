@@ -214,7 +214,7 @@ class Cluster:
             return [["--cpu-cores", format_cores(share)]
                     for share in split_cores(num_engines, pool)]
         flags = ["--cpu-cores", format_cores(pool)]
-        if s.cpu_sharing == "turns":
+        if s.cpu_sharing == "turns" and num_engines > 1:
             flags += ["--cpu-turns", str(self.log_dir / "cpu-turns")]
         return [flags] * num_engines
 

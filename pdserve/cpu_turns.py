@@ -38,11 +38,7 @@ class CpuTurns:
     def __init__(self, path: str, max_wait_s: float = DEFAULT_MAX_WAIT_S):
         if max_wait_s <= 0:
             raise ValueError(f"cpu_turns: max_wait_s must be > 0, got {max_wait_s}")
-        try:
-            self._run = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            self._next = os.open(path + ".next", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise ValueError(f"cpu_turns: cannot open lock file {path!r}: {e.strerror}") from None
+        self._run, self._next = _open_lock(path), _open_lock(path + ".next")
         self.path = path
         self.max_wait_s = max_wait_s
         self.turns_taken = 0
@@ -90,6 +86,13 @@ class CpuTurns:
                 if self._state == _DONE:
                     self._state = _IDLE
             fcntl.flock(self._run, fcntl.LOCK_UN)
+
+
+def _open_lock(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise ValueError(f"cpu_turns: cannot open lock file {path!r}: {e.strerror}") from None
 
 
 _process_turns: CpuTurns | None = None

@@ -87,5 +87,7 @@ def test_cluster_engine_flags_for_each_way_of_sharing_cores(tmp_path):
     assert flags("turns") == [turns, turns]
     assert flags("split") == [["--cpu-cores", "0,1"], ["--cpu-cores", "2"]]
     assert flags("shared") == [["--cpu-cores", "0,1,2"]] * 2
+    one = Cluster(ClusterSpec(num_prefill=0, cpu_cores=(0, 1), log_dir=str(tmp_path)))
+    assert one._cpu_flags(1) == [["--cpu-cores", "0,1"]]  # nobody to take turns with
     with pytest.raises(ValueError, match="cpu_sharing: expected one of turns, split, shared"):
         ClusterSpec(cpu_sharing="spread")

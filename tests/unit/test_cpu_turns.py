@@ -108,3 +108,11 @@ def test_bad_settings_name_the_field(tmp_path):
         CpuTurns(str(tmp_path / "missing-dir" / "turns"))
     with pytest.raises(ValueError, match="cpu_turns: max_wait_s"):
         CpuTurns(str(tmp_path / "turns"), max_wait_s=0)
+
+
+def test_the_cli_refuses_a_lock_file_it_cannot_open(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "decode", "--cpu-turns",
+         str(tmp_path / "missing-dir" / "turns")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "error: cpu_turns: cannot open lock file" in done.stderr
