@@ -12,7 +12,8 @@ The turn is a file lock (`flock`), so the kernel hands it back when a holder die
 make it fair: a process queues on `<path>.next` before it waits on `<path>`, and leaves the
 queue once it holds the turn, so a process that just finished a step queues behind the one
 already waiting. A step never waits longer than `max_wait_s` for a turn (a peer stuck in a
-step must not stop this one): it then computes without one and logs a warning.
+step must not stop this one): it then computes without one, and so do the steps after it until
+the turn comes back, with a warning at each change.
 """
 
 from __future__ import annotations
@@ -44,24 +45,28 @@ class CpuTurns:
         self.turns_taken = 0
         self.turns_missed = 0
         self._state = _IDLE
+        self._stalled = False  # a step gave up waiting, and the keeper still waits for the lock
         self._changed = threading.Condition()
         # The locks are taken on a thread of their own, so that a step can stop waiting.
         threading.Thread(target=self._keep_turns, name="cpu-turns", daemon=True).start()
 
     @contextlib.contextmanager
     def turn(self) -> Iterator[bool]:
-        """Hold the turn for the block; yields False if it computes without one (waited
-        max_wait_s)."""
+        """Hold the turn for the block; yields False if it computes without one: it waited
+        max_wait_s, or an earlier step did and the turn has not come back since."""
         with self._changed:
-            self._state = _WANTED
-            self._changed.notify_all()
-            granted = self._changed.wait_for(lambda: self._state == _HELD, self.max_wait_s)
+            granted = False
+            if not self._stalled:
+                self._state = _WANTED
+                self._changed.notify_all()
+                granted = self._changed.wait_for(lambda: self._state == _HELD, self.max_wait_s)
+                if not granted:
+                    self._state = _IDLE  # the keeper hands the turn straight back when it comes
+                    self._stalled = True
+                    logger.warning("no CPU turn within %.0fs (%s): computing without turns "
+                                   "until one comes", self.max_wait_s, self.path)
             if not granted:
-                self._state = _IDLE  # the keeper hands the turn straight back when it comes
                 self.turns_missed += 1
-        if not granted:
-            logger.warning("no CPU turn within %.0fs (%s): computing this step without one",
-                           self.max_wait_s, self.path)
         try:
             yield granted
         finally:
@@ -79,6 +84,9 @@ class CpuTurns:
             fcntl.flock(self._run, fcntl.LOCK_EX)
             fcntl.flock(self._next, fcntl.LOCK_UN)
             with self._changed:
+                if self._stalled:
+                    self._stalled = False
+                    logger.warning("CPU turns resumed (%s)", self.path)
                 if self._state == _WANTED:
                     self._state = _HELD
                     self._changed.notify_all()
