@@ -11,7 +11,8 @@ other's scheduling and output work preempt that compute, was slower) and then ha
 The turn is a file lock (`flock`), so the kernel hands it back when a holder dies. Two locks
 make it fair: a process queues on `<path>.next` before it waits on `<path>`, and leaves the
 queue once it holds the turn, so a process that just finished a step queues behind the one
-already waiting. A step never waits longer than `max_wait_s` for a turn (a peer stuck in a
+already waiting. A turn that nobody holds or waits for is taken at once, on the stepping
+thread (handing every turn through a second thread cost 0.75 ms a step). A step never waits longer than `max_wait_s` for a turn (a peer stuck in a
 step must not stop this one): it then computes without one, and so do the steps after it until
 the turn comes back, with a warning at each change.
 """
@@ -30,7 +31,11 @@ logger = logging.getLogger(__name__)
 TURNS_ENV = "PDSERVE_CPU_TURNS"
 DEFAULT_MAX_WAIT_S = 30.0
 
-_IDLE, _WANTED, _HELD, _DONE = "idle", "wanted", "held", "done"
+# What the process does with the turn: nothing (IDLE); holds it on the stepping thread, taken
+# without waiting (DIRECT); waits for the keeper thread to get it (WANTED); holds it through
+# the keeper (HELD, then DONE when the step ends); gave up waiting (ABANDONED).
+_IDLE, _DIRECT, _WANTED, _HELD, _DONE, _ABANDONED = (
+    "idle", "direct", "wanted", "held", "done", "abandoned")
 
 
 class CpuTurns:
@@ -47,7 +52,8 @@ class CpuTurns:
         self._state = _IDLE
         self._stalled = False  # a step gave up waiting, and the keeper still waits for the lock
         self._changed = threading.Condition()
-        # The locks are taken on a thread of their own, so that a step can stop waiting.
+        # A turn nobody else wants is taken on the stepping thread. One that must be waited
+        # for is taken on a thread of its own, so that the step can stop waiting.
         threading.Thread(target=self._keep_turns, name="cpu-turns", daemon=True).start()
 
     @contextlib.contextmanager
@@ -55,26 +61,49 @@ class CpuTurns:
         """Hold the turn for the block; yields False if it computes without one: it waited
         max_wait_s, or an earlier step did and the turn has not come back since."""
         with self._changed:
-            granted = False
-            if not self._stalled:
+            held = None  # how this step holds the turn: _DIRECT, _HELD or not at all
+            if self._stalled:
+                pass
+            elif self._state == _IDLE and self._take_now():
+                self._state = held = _DIRECT
+            else:
                 self._state = _WANTED
                 self._changed.notify_all()
-                granted = self._changed.wait_for(lambda: self._state == _HELD, self.max_wait_s)
-                if not granted:
-                    self._state = _IDLE  # the keeper hands the turn straight back when it comes
+                if self._changed.wait_for(lambda: self._state == _HELD, self.max_wait_s):
+                    held = _HELD
+                else:
+                    self._state = _ABANDONED  # the keeper hands it straight back when it comes
                     self._stalled = True
                     logger.warning("no CPU turn within %.0fs (%s): computing without turns "
                                    "until one comes", self.max_wait_s, self.path)
-            if not granted:
+            if held is None:
                 self.turns_missed += 1
         try:
-            yield granted
+            yield held is not None
         finally:
-            if granted:
+            if held is not None:
                 with self._changed:
                     self.turns_taken += 1
-                    self._state = _DONE
-                    self._changed.notify_all()
+                    if held == _DIRECT:
+                        fcntl.flock(self._run, fcntl.LOCK_UN)
+                        self._state = _IDLE
+                    else:
+                        self._state = _DONE
+                        self._changed.notify_all()
+
+    def _take_now(self) -> bool:
+        """The turn, if nobody holds it or waits for it (never blocks)."""
+        try:
+            fcntl.flock(self._next, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            fcntl.flock(self._run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            fcntl.flock(self._next, fcntl.LOCK_UN)
 
     def _keep_turns(self) -> None:
         while True:
@@ -91,9 +120,10 @@ class CpuTurns:
                     self._state = _HELD
                     self._changed.notify_all()
                     self._changed.wait_for(lambda: self._state != _HELD)
-                if self._state == _DONE:
-                    self._state = _IDLE
             fcntl.flock(self._run, fcntl.LOCK_UN)
+            with self._changed:
+                if self._state != _WANTED:  # DONE or ABANDONED: the lock is free again
+                    self._state = _IDLE
 
 
 def _open_lock(path: str) -> int:

@@ -121,6 +121,7 @@ class EngineLoop:
         self._streams: dict[str, OutputStream] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        engine.connector.add_load_listener(self._wake.set)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -234,8 +235,14 @@ class EngineLoop:
                 self._run_calls()
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
+                    computed = self.engine.num_prompt_tokens + self.engine.num_generation_tokens
                 with self._cpu_turn(busy), self._lock:
                     outputs = self.engine.step()
+                    # Nothing computed, and remote KV loads in flight: sleep until one
+                    # finishes (the connector wakes the loop) instead of spinning empty steps.
+                    only_loading = (not outputs and self.engine.scheduler.loading and computed
+                                    == self.engine.num_prompt_tokens
+                                    + self.engine.num_generation_tokens)
                     streams = [(self._streams.get(o.request_id), o) for o in outputs]
                     for _, o in streams:
                         if o.finished:
@@ -248,7 +255,7 @@ class EngineLoop:
                 if stream is not None:
                     stream.put(output)
             self._log(outputs, self._latest_stats)
-            if not busy:
+            if not busy or only_loading:
                 self._wake.wait(self.idle_tick_s)
                 self._wake.clear()
         self._run_calls()  # those queued while it stopped

@@ -125,6 +125,10 @@ class KVConnector:
     def take_finished_loads(self) -> list[LoadResult]:
         return []
 
+    def add_load_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` (on a worker thread) each time a load finishes, so that a
+        loop waiting only for loads can sleep until one does."""
+
     def close(self) -> None:
         pass
 
@@ -143,6 +147,7 @@ class TransportConnector(KVConnector):
         self.on_loaded = on_loaded
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
         self._done: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        self._load_listeners: list[Callable[[], None]] = []
         self._descriptor: dict[str, Any] | None = None
 
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
@@ -186,6 +191,8 @@ class TransportConnector(KVConnector):
             self.on_loaded(handle)
         finally:
             self._done.put(result)
+            for listener in self._load_listeners:
+                listener()
 
     def take_finished_loads(self) -> list[LoadResult]:
         out = []
@@ -194,6 +201,9 @@ class TransportConnector(KVConnector):
                 out.append(self._done.get_nowait())
             except queue.Empty:
                 return out
+
+    def add_load_listener(self, listener: Callable[[], None]) -> None:
+        self._load_listeners.append(listener)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

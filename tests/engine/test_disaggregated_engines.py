@@ -1,5 +1,6 @@
 """Prefill engine -> KV handle -> decode engine, in one process over a real transport."""
 
+import threading
 import time
 
 import pytest
@@ -146,3 +147,53 @@ def test_prompt_logprobs_come_from_the_prefill_side(tiny_model_dir, pd_pair):
                            SamplingParams(max_tokens=4, prompt_logprobs=1),
                            kv_transfer_params={"remote_handle": handle,
                                                "output_token_ids": p_out.outputs[0].token_ids})
+
+
+class CountingEngine(LLMEngine):
+    steps = 0
+
+    def step(self):
+        self.steps += 1
+        return super().step()
+
+
+def test_a_loop_waiting_only_for_a_kv_load_sleeps_until_it_finishes(tiny_model_dir, pd_pair):
+    """A decode engine's loop with nothing to compute but a remote KV load in flight waits for
+    the load (the connector wakes it) instead of stepping empty batches without end."""
+    from pdserve.engine.engine_loop import EngineLoop
+
+    prefill = pd_pair[0]
+    in_load, finish_load = threading.Event(), threading.Event()
+
+    def held(handle):  # the connector's own hook, run on its worker once the blocks are read
+        in_load.set()
+        finish_load.wait(60)
+
+    decode = CountingEngine.from_engine_args(
+        EngineArgs(model=str(tiny_model_dir), kv_cache_memory_bytes=4 << 20),
+        connector=TransportConnector(make_transport("shm", "dw"), held))
+    loop = EngineLoop(decode).start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        p_params = params.clone()
+        p_params.max_tokens = 1
+        prefill.add_request("w", PROMPT, p_params, kv_transfer_params={"do_remote_decode": True})
+        p_out = run(prefill)["w"]
+        stream = loop.submit("w", {"prompt_token_ids": p_out.prompt_token_ids}, params,
+                             kv_transfer_params={
+                                 "remote_handle": p_out.kv_transfer_params["handle"],
+                                 "output_token_ids": p_out.outputs[0].token_ids})
+        assert in_load.wait(30)
+        before = decode.steps
+        time.sleep(0.5)
+        # One step per idle tick (0.05 s) at most; spinning made thousands.
+        assert decode.steps - before <= 15
+        finish_load.set()
+        tokens = [t for out in stream for t in out.outputs[0].token_ids]
+        colocated = engine(tiny_model_dir, "c")
+        colocated.add_request("w", PROMPT, params)
+        assert tokens == list(run(colocated)["w"].outputs[0].token_ids)
+    finally:
+        finish_load.set()
+        loop.stop()
+        decode.connector.close()
