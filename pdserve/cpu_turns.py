@@ -12,7 +12,7 @@ The turn is a file lock (`flock`), so the kernel hands it back when a holder die
 make it fair: a process queues on `<path>.next` before it waits on `<path>`, and leaves the
 queue once it holds the turn, so a process that just finished a step queues behind the one
 already waiting. A turn that nobody holds or waits for is taken at once, on the stepping
-thread (handing every turn through a second thread cost 0.75 ms a step). A step never waits longer than `max_wait_s` for a turn (a peer stuck in a
+thread, without the two thread wake-ups of a wait. A step never waits longer than `max_wait_s` for a turn (a peer stuck in a
 step must not stop this one): it then computes without one, and so do the steps after it until
 the turn comes back, with a warning at each change.
 """
