@@ -7,7 +7,8 @@ runs them (cpu_turns.py); 1P1D split: each on its own share of the cores; 1P1D s
 every core without turns. All are driven through `Router.Generate` by the same closed-loop
 clients, so the ratios compare only the serving topology.
 
-    python benchmarks/disagg_vs_colocated.py --rounds 2 --out benchmarks/results/disagg_vs_colocated.json
+    python benchmarks/disagg_vs_colocated.py --rounds 2 \
+        --out benchmarks/results/disagg_vs_colocated_turns.json
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+
 
 if __name__ == "__main__":
     main()

@@ -12,9 +12,10 @@ The turn is a file lock (`flock`), so the kernel hands it back when a holder die
 make it fair: a process queues on `<path>.next` before it waits on `<path>`, and leaves the
 queue once it holds the turn, so a process that just finished a step queues behind the one
 already waiting. A turn that nobody holds or waits for is taken at once, on the stepping
-thread, without the two thread wake-ups of a wait. A step never waits longer than `max_wait_s` for a turn (a peer stuck in a
-step must not stop this one): it then computes without one, and so do the steps after it until
-the turn comes back, with a warning at each change.
+thread, without the two thread wake-ups of a wait. A step never waits longer than
+`max_wait_s` for a turn (a peer stuck in a step must not stop this one): it then computes
+without one, and so do the steps after it until the turn comes back, with a warning at each
+change.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from collections.abc import Iterator
 logger = logging.getLogger(__name__)
 
 TURNS_ENV = "PDSERVE_CPU_TURNS"
-DEFAULT_MAX_WAIT_S = 30.0
+# A peer frozen inside a step costs this once; a peer's step that is merely longer (a large
+# prefill on a busy machine) only overlaps this process's next step.
+DEFAULT_MAX_WAIT_S = 5.0
 
 # What the process does with the turn: nothing (IDLE); holds it on the stepping thread, taken
 # without waiting (DIRECT); waits for the keeper thread to get it (WANTED); holds it through
@@ -39,7 +42,8 @@ _IDLE, _DIRECT, _WANTED, _HELD, _DONE, _ABANDONED = (
 
 
 class CpuTurns:
-    """One process's side of the turns kept in the lock file `path` (created if missing)."""
+    """One process's side of the turns kept in the lock file `path` (created if missing),
+    for one stepping thread (a process runs one engine loop)."""
 
     def __init__(self, path: str, max_wait_s: float = DEFAULT_MAX_WAIT_S):
         if max_wait_s <= 0:

@@ -235,14 +235,13 @@ class EngineLoop:
                 self._run_calls()
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
-                    computed = self.engine.num_prompt_tokens + self.engine.num_generation_tokens
+                    tokens_before = self._tokens_computed()
                 with self._cpu_turn(busy), self._lock:
                     outputs = self.engine.step()
                     # Nothing computed, and remote KV loads in flight: sleep until one
                     # finishes (the connector wakes the loop) instead of spinning empty steps.
-                    only_loading = (not outputs and self.engine.scheduler.loading and computed
-                                    == self.engine.num_prompt_tokens
-                                    + self.engine.num_generation_tokens)
+                    only_loading = (not outputs and bool(self.engine.scheduler.loading)
+                                    and self._tokens_computed() == tokens_before)
                     streams = [(self._streams.get(o.request_id), o) for o in outputs]
                     for _, o in streams:
                         if o.finished:
@@ -259,6 +258,9 @@ class EngineLoop:
                 self._wake.wait(self.idle_tick_s)
                 self._wake.clear()
         self._run_calls()  # those queued while it stopped
+
+    def _tokens_computed(self) -> int:
+        return self.engine.num_prompt_tokens + self.engine.num_generation_tokens
 
     def _cpu_turn(self, busy: bool) -> contextlib.AbstractContextManager:
         """A CPU engine's step with work to do holds its process's turn (cpu_turns.py): the
