@@ -122,6 +122,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         engine.connector.add_load_listener(self._wake.set)
+        self._takes_cpu_turns = engine.config.device.device == "cpu"  # cpu_turns.py
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -265,7 +266,7 @@ class EngineLoop:
     def _cpu_turn(self, busy: bool) -> contextlib.AbstractContextManager:
         """A CPU engine's step with work to do holds its process's turn (cpu_turns.py): the
         whole step, since its Python work would otherwise preempt the other's compute."""
-        if busy and self.engine.config.device.device == "cpu":
+        if busy and self._takes_cpu_turns:
             return cpu_turn()
         return contextlib.nullcontext()
 
