@@ -1,10 +1,13 @@
-"""CPU linear layers: F.linear, oneDNN's packed layout and the native kernel's panels
-(pdserve.kernels.cpu_linear).
+"""CPU linear layers: F.linear, oneDNN's packed layout, the native kernel's float32 panels and
+its coded weights (pdserve.kernels.cpu_linear, coded_weights).
 
 Runs every projection of a model's decoder stack (random weights of SmolLM2-135M's shapes by
-default: 30 layers of qkv, o, gate_up and down, plus the tied LM head) at several row counts,
+default: 30 layers of qkv, o, gate_up and down, plus the tied LM head, quantized to Q4_1 and
+the head to Q8_0 and back to float32, as the bundled GGUF is) at several row counts,
 alternating the implementations, and prints JSON with milliseconds per pass and the ratios
-oneDNN / panels and F.linear / panels (above 1: the panels are faster).
+oneDNN / panels, F.linear / panels and panels / coded (above 1: the latter is faster).
+`coded` is PackedLinear as the engine runs it: coded weights up to CODED_MAX_ROWS rows, the
+panels above.
 
     python benchmarks/linear_cpu.py [--rows 1 8 64 2048] [--repeats 5]
 """
@@ -19,22 +22,38 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
 
 from pdserve.kernels.cpu_linear import PackedLinear
+from pdserve.models.loader import _dequantize
 
 SMOLLM2_135M = {"layers": 30, "hidden": 576, "qkv": 576 + 2 * 192, "inter": 1536,
                 "vocab": 49152}
 
 
+def gguf_values(w: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """w quantized by gguf and dequantized by the model loader: float32 again."""
+    raw = quants.quantize(w.numpy(), qtype).reshape(-1).view(np.uint8)
+    return _dequantize(torch.from_numpy(raw.copy()), qtype, tuple(w.shape))
+
+
 def weights(shape: dict) -> list[torch.Tensor]:
     """(out, in) weights of every projection, in model order."""
-    h, per_layer = shape["hidden"], []
+    h, per_layer, q4 = shape["hidden"], [], GGMLQuantizationType.Q4_1
     for _ in range(shape["layers"]):
-        per_layer += [torch.randn(shape["qkv"], h), torch.randn(h, h),
-                      torch.randn(2 * shape["inter"], h), torch.randn(h, shape["inter"])]
-    return per_layer + [torch.randn(shape["vocab"], h)]
+        per_layer += [gguf_values(torch.randn(*s) * 0.05, q4) for s in (
+            (shape["qkv"], h), (h, h), (2 * shape["inter"], h), (h, shape["inter"]))]
+    head = gguf_values(torch.randn(shape["vocab"], h) * 0.05, GGMLQuantizationType.Q8_0)
+    return per_layer + [head]
+
+
+def float32_panels(w: torch.Tensor) -> PackedLinear:
+    layer = PackedLinear(w, layout="panels")
+    layer.codes = layer.code_params = None
+    return layer
 
 
 def time_pass(fns: list, inputs: dict[int, torch.Tensor]) -> float:
@@ -46,14 +65,17 @@ def time_pass(fns: list, inputs: dict[int, torch.Tensor]) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512, 2048])
+    p.add_argument("--rows", type=int, nargs="+",
+                   default=[1, 4, 8, 16, 24, 32, 64, 128, 512, 2048])
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.manual_seed(0)
     ws = weights(SMOLLM2_135M)
     impls = {"f_linear": [(w.shape[1], lambda x, w=w: F.linear(x, w)) for w in ws],
              "onednn": [(w.shape[1], PackedLinear(w, layout="onednn")) for w in ws],
-             "panels": [(w.shape[1], PackedLinear(w, layout="panels")) for w in ws]}
+             "panels": [(w.shape[1], float32_panels(w)) for w in ws],
+             "coded": [(w.shape[1], PackedLinear(w, layout="panels")) for w in ws]}
+    assert all(layer.codes is not None for _, layer in impls["coded"])
     results = []
     with torch.inference_mode():
         for rows in args.rows:
@@ -65,7 +87,8 @@ def main(argv=None) -> int:
             ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
             results.append({"rows": rows, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
                             "onednn_over_panels": round(ms["onednn"] / ms["panels"], 3),
-                            "f_linear_over_panels": round(ms["f_linear"] / ms["panels"], 3)})
+                            "f_linear_over_panels": round(ms["f_linear"] / ms["panels"], 3),
+                            "panels_over_coded": round(ms["panels"] / ms["coded"], 3)})
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"command": " ".join(["python benchmarks/linear_cpu.py", *(
         sys.argv[1:] if argv is None else argv)]), "torch": torch.__version__,

@@ -20,19 +20,24 @@ from torch import nn
 from pdserve.kernels import native
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.cpu_decode import HEAD_SIZES
-from pdserve.kernels.cpu_linear import PackedLinear
+from pdserve.kernels.cpu_linear import CODED_MAX_ROWS, PackedLinear
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
-                ("head_dim", _i64), ("intermediate", _i64), ("eps", _f32), ("scale", _f32)]
+                ("head_dim", _i64), ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
+                ("coded_max_rows", _i64)]
+
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
-                                          "gate_up", "down")]
+    _fields_ = [(name, _ptr) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down",
+        *(f"{p}_codes" for p in _PROJECTIONS), *(f"{p}_params" for p in _PROJECTIONS))]
 
 
 class _StepBatch(ctypes.Structure):
@@ -87,15 +92,17 @@ class NativeLayers:
                                                     first.head_dim)
         intermediate = layers[0].mlp.down_proj.in_features
         self.shape = _Shape(self.num_layers, self.hidden, self.heads, self.kv_heads,
-                            self.head_dim, intermediate, eps, first.scale)
+                            self.head_dim, intermediate, eps, first.scale, CODED_MAX_ROWS)
         self.weights = (_LayerWeights * self.num_layers)()
         self._keep = []  # the tensors the table points into
         for w, layer in zip(self.weights, layers):
             attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             tensors = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                        attn.qkv_proj.packed_weight, attn.qkv_proj.bias,
                        attn.o_proj.packed_weight, mlp.gate_up_proj.packed_weight,
-                       mlp.down_proj.packed_weight)
+                       mlp.down_proj.packed_weight, *(p.codes for p in projections),
+                       *(p.code_params for p in projections))
             for (name, _), t in zip(_LayerWeights._fields_, tensors):
                 setattr(w, name, None if t is None else t.data_ptr())
             self._keep.extend(t for t in tensors if t is not None)

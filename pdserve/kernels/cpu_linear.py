@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import native
+from pdserve.kernels.coded_weights import encode
 
 PANEL = 32  # outputs per panel of csrc/linear.c's layout
 ONEDNN_MIN_ROWS = 4  # below this, MKL on the plain weight beats oneDNN's layout
+CODED_MAX_ROWS = 24  # up to this many rows, coded weights (linear_coded.c) beat the panels
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -62,6 +64,9 @@ class PackedLinear(nn.Module):
         packed = (pack_panels(weight) if self.layout == "panels"
                   else torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.register_buffer("packed_weight", packed, persistent=False)
+        coded = encode(weight) if self.layout == "panels" else None
+        self.register_buffer("codes", coded and coded.codes, persistent=False)
+        self.register_buffer("code_params", coded and coded.params, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "panels":
@@ -81,6 +86,12 @@ class PackedLinear(nn.Module):
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         bias = None if self.bias is None else self.bias.data_ptr()
+        if self.codes is not None and x.shape[0] <= CODED_MAX_ROWS:
+            native.load().linear_coded_f32(
+                x.data_ptr(), x.stride(0), x.shape[0], self.codes.data_ptr(),
+                self.code_params.data_ptr(), self.out_features, self.in_features, bias,
+                out.data_ptr(), out.stride(0), torch.get_num_threads())
+            return out
         native.load().linear_f32(x.data_ptr(), x.stride(0), x.shape[0],
                                  self.packed_weight.data_ptr(), self.out_features,
                                  self.in_features, bias, out.data_ptr(), out.stride(0),
@@ -89,7 +100,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"layout={self.layout}")
+                f"layout={self.layout}, coded={self.codes is not None}")
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "linear.c",
-           "decoder_layers.c")
+           "linear_coded.c", "decoder_layers.c")
 HEADERS = ("vec16.h", "kernels.h", "decoder_layers.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
@@ -52,13 +52,20 @@ _SIGNATURES = {
     "silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # x, x_stride, rows, panels, n, k, bias (or NULL), out, out_stride, num_threads
     "linear_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int],
+    # x, x_stride, rows, codes, params, n, k, bias (or NULL), out, out_stride, num_threads
+    "linear_coded_f32": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64,
+                         ctypes.c_int],
+    # v, runs, guess_scales, guess_offsets, num_guesses, codes, scales, offsets, num_threads
+    "code_runs_f32": [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int],
     # x, row_stride, rows, heads, head_dim, cos, sin, num_threads
     "rotary_f32": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int],
     # x, T, shape, layers, kv, num_blocks, block_size, cos, sin, batch, num_threads
     "decoder_layers_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
                            ctypes.c_int],
 }
-_VOID = {"rms_norm_f32", "add_rms_norm_f32", "silu_mul_f32", "rotary_f32", "linear_f32"}
+_RESULT = {"code_runs_f32": _i64}
+_VOID = {"rms_norm_f32", "add_rms_norm_f32", "silu_mul_f32", "rotary_f32", "linear_f32",
+         "linear_coded_f32"}
 
 
 def _compiler() -> str | None:
@@ -123,5 +130,6 @@ def load() -> ctypes.CDLL | None:
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None if name in _VOID else ctypes.c_int
+        fn.argtypes = argtypes
+        fn.restype = None if name in _VOID else _RESULT.get(name, ctypes.c_int)
     return lib

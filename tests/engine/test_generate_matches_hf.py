@@ -66,6 +66,22 @@ def test_smollm2_matches_hf(smollm2_llm, hf_smollm2, prompt):
     assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, tok.encode(prompt), 24)
 
 
+def test_smollm2_batch_on_coded_weights_matches_hf(smollm2_llm, hf_smollm2):
+    """The bundled GGUF is Q4_1 with a Q8_0 embedding: every projection and the tied LM head
+    hold coded weights (kernels/coded_weights.py), which serve steps of a few rows."""
+    model = smollm2_llm.llm_engine.runner.model
+    layers = model.native_layers
+    assert layers is not None and layers.shape.coded_max_rows > 0
+    assert all(getattr(w, f"{p}_codes") for w in layers.weights
+               for p in ("qkv", "o", "gate_up", "down"))
+    assert model.lm_head.codes is not None
+    tok = smollm2_llm.get_tokenizer()
+    outs = smollm2_llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=16,
+                                                            ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, tok.encode(prompt), 16), prompt
+
+
 def test_smollm2_chat_answers(smollm2_llm):
     [out] = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                              SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)

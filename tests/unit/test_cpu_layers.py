@@ -87,6 +87,39 @@ def test_native_layers_equal_the_modules_bit_for_bit(bias, monkeypatch):
     assert not torch.equal(native_cache, cache)  # the step's keys and values were written
 
 
+def test_coded_weights_give_the_float32_panels_results_bit_for_bit():
+    """Projections dequantized from GGUF Q4_1 blocks are coded (kernels/coded_weights.py):
+    the mixed step's 15 rows then take linear_coded.c, with the same hidden states and cache
+    as on the float32 panels."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from pdserve.models.loader import _dequantize
+
+    a = arch()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(a).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                raw = quants.quantize(p.numpy() * 0.1, GGMLQuantizationType.Q4_1)
+                p.copy_(_dequantize(torch.from_numpy(raw.reshape(-1).view(np.uint8).copy()),
+                                    GGMLQuantizationType.Q4_1, tuple(p.shape)))
+    model.pack_for_cpu()
+    layers = model.native_layers
+    assert all(w.qkv_codes and w.o_codes and w.gate_up_codes and w.down_codes
+               for w in layers.weights)
+    ids, positions, cache, meta = mixed_step(a)
+    assert len(ids) <= layers.shape.coded_max_rows
+    coded_cache, panels_cache = cache.clone(), cache.clone()
+    with torch.inference_mode():
+        coded = model(ids, positions, coded_cache, meta)
+        layers.shape.coded_max_rows = 0
+        panels = model(ids, positions, panels_cache, meta)
+    assert torch.equal(coded, panels)
+    assert torch.equal(coded_cache, panels_cache)
+
+
 @pytest.mark.parametrize("field,message", [("slot", "cache slot"), ("row", "decode"),
                                            ("table", "decode"), ("span", "prefill")])
 def test_bad_metadata_is_refused_before_any_write(field, message):

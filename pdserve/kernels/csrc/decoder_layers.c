@@ -34,6 +34,18 @@ static void write_kv(const float *qkv, int64_t qkv_stride, int64_t T, const int6
     }
 }
 
+/* out = x W^T (+ b) on the coded weight for a step's few rows, else on the float32 panels:
+ * the same results either way (linear_coded.c). */
+static void project(const float *x, int64_t T, const float *panels, const int8_t *codes,
+                    const float *params, int64_t n, int64_t k, const float *bias, float *out,
+                    int64_t coded_max_rows, int num_threads)
+{
+    if (codes && T <= coded_max_rows)
+        linear_coded_f32(x, k, T, codes, params, n, k, bias, out, n, num_threads);
+    else
+        linear_f32(x, k, T, panels, n, k, bias, out, n, num_threads);
+}
+
 static float *scratch_alloc(int64_t floats)
 {
     return aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
@@ -45,6 +57,7 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
 {
     const int64_t H = s->hidden, h = s->heads, kvh = s->kv_heads, d = s->head_dim;
     const int64_t I = s->intermediate, Q = (h + 2 * kvh) * d, kv_width = kvh * d;
+    const int64_t coded = s->coded_max_rows;
     if ((d != 64 && d != 128) || kvh < 1 || h % kvh || bs < 1 || T < 1) return DL_UNSUPPORTED;
     for (int64_t t = 0; t < T; t++)
         if (b->slots[t] < 0 || b->slots[t] >= num_blocks * bs) return DL_BAD_SLOT;
@@ -63,7 +76,8 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
         const layer_weights *w = layers + l;
         float *kc = kv + 2 * l * cache, *vc = kc + cache;
         rms_norm_f32(x, H, w->input_norm, normed, H, T, H, s->eps, num_threads);
-        linear_f32(normed, H, T, w->qkv, Q, H, w->qkv_bias, qkv, Q, num_threads);
+        project(normed, T, w->qkv, w->qkv_codes, w->qkv_params, Q, H, w->qkv_bias, qkv, coded,
+                num_threads);
         rotary_f32(qkv, Q, T, h + kvh, d, cos, sin, num_threads);
         write_kv(qkv, Q, T, b->slots, h * d, kv_width, kc, vc);
         if (b->num_decodes) {
@@ -85,11 +99,13 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
             else if (r < 0) code = DL_BAD_PREFILL;
         }
         if (code) break;
-        linear_f32(attn, h * d, T, w->o, H, h * d, NULL, tmp, H, num_threads);
+        project(attn, T, w->o, w->o_codes, w->o_params, H, h * d, NULL, tmp, coded, num_threads);
         add_rms_norm_f32(x, H, tmp, H, w->post_norm, normed, H, T, H, s->eps, num_threads);
-        linear_f32(normed, H, T, w->gate_up, 2 * I, H, NULL, gu, 2 * I, num_threads);
+        project(normed, T, w->gate_up, w->gate_up_codes, w->gate_up_params, 2 * I, H, NULL, gu,
+                coded, num_threads);
         silu_mul_f32(gu, 2 * I, act, I, T, I, num_threads);
-        linear_f32(act, I, T, w->down, H, I, NULL, tmp, H, num_threads);
+        project(act, T, w->down, w->down_codes, w->down_params, H, I, NULL, tmp, coded,
+                num_threads);
         add_in_place(x, tmp, T * H, num_threads);
     }
     free(normed); free(qkv); free(attn); free(tmp); free(gu); free(act);

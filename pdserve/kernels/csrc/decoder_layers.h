@@ -5,6 +5,7 @@
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
+    int64_t coded_max_rows;  /* steps of up to this many tokens use the coded weights */
 } decoder_shape;
 
 /* One layer's float32 weights; projections in linear.c's panels, of (out, in) weights:
@@ -13,6 +14,10 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;  /* (hidden,) */
     const float *qkv, *qkv_bias, *o, *gate_up, *down;
+    /* the same projections as linear_coded.c's codes and params, each pair NULL where a
+     * weight is not so held */
+    const int8_t *qkv_codes, *o_codes, *gate_up_codes, *down_codes;
+    const float *qkv_params, *o_params, *gate_up_params, *down_params;
 } layer_weights;
 
 /* One step's attention batch (attention.py's AttentionMetadata), int64 throughout. */

@@ -19,6 +19,12 @@ void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
                 const float *cos, const float *sin, int num_threads);
 void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *panels, int64_t n,
                 int64_t k, const float *bias, float *out, int64_t out_stride, int num_threads);
+void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const int8_t *codes,
+                      const float *params, int64_t n, int64_t k, const float *bias, float *out,
+                      int64_t out_stride, int num_threads);
+int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
+                      const float *guess_offsets, int64_t num_guesses, int8_t *codes,
+                      float *scales, float *offsets, int num_threads);
 int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const float *vc,
                      int64_t num_blocks, int64_t bs, int64_t kvh, int64_t d,
                      const int64_t *tables, int64_t max_blocks, const int64_t *lens,

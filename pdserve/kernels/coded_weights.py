@@ -1,0 +1,106 @@
+"""Float32 weights that are, exactly, 8-bit codes times a scale plus an offset per 32 inputs.
+
+A block-quantized checkpoint (GGUF's Q4_0, Q4_1 and Q8_0: the bundled SmolLM2 is Q4_1 with a
+Q8_0 embedding) is dequantized to float32 at load, and the model computes in float32 with
+those values. Each run of 32 inputs of an output row is then `scale * code + offset` with a
+float16 scale and offset and small integer codes, so a quarter of the bytes hold the same
+weight. `encode` finds that form from the float32 values alone and proves it: a run is coded
+only where the kernel's own rebuilding gives every value back bit for bit (csrc/
+linear_coded.c's `code_runs_f32`). A weight with any other run (random, bf16) gets None and
+keeps the float32 path.
+
+csrc/linear_coded.c's kernel streams the codes instead of the float32 panels; the layouts
+here match its comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kernels import native
+
+RUN = 32  # inputs per scale and offset
+PANEL = 32  # outputs per panel (csrc/linear.c's layout)
+
+
+@dataclass(frozen=True)
+class CodedWeight:
+    """codes: (ceil(out / 32), in, 32) int8; params: (ceil(out / 32), in / 32, 2, 32) float32,
+    the scales then the offsets of each panel's 32 outputs for each run of 32 inputs."""
+
+    codes: torch.Tensor
+    params: torch.Tensor
+
+
+def _half(x: torch.Tensor) -> list[torch.Tensor]:
+    """x rounded to float16, and its two float16 neighbours (x >= 0), as float32."""
+    bits = x.clamp(max=65504.0).half().view(torch.int16)
+    return [(bits + step).clamp(min=0).view(torch.float16).float() for step in (0, -1, 1)]
+
+
+def _guesses(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, offsets), each (guesses, B), for the runs v: (B, 32): as a Q4_1 run (the
+    offset its minimum, 15 steps up to its maximum), a Q8_0 one (127 steps either side of
+    zero) and a Q4_0 one (its largest magnitude is -8 steps); float16 scales throughout."""
+    lo, hi = v.aminmax(dim=1)
+    extreme = torch.where(hi.abs() >= lo.abs(), hi, lo)
+    zero = torch.full_like(lo, -0.0)  # -0.0: scale * 0 + offset keeps the sign of scale * 0
+    pairs = [(s, lo) for s in _half((hi - lo) / 15)]
+    pairs += [(s, zero) for s in _half(extreme.abs() / 127)]
+    pairs.append(((extreme / -8).half().float(), zero))
+    return (torch.stack([s for s, _ in pairs]).contiguous(),
+            torch.stack([o for _, o in pairs]).contiguous())
+
+
+def encode(weight: torch.Tensor) -> CodedWeight | None:
+    """The coded form of a float32 CPU weight (out, in), or None when some run of 32 inputs is
+    not exactly scale * code + offset, `in` is not a multiple of 32, or the native kernels
+    are not built."""
+    lib = native.load()
+    if (lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or weight.dim() != 2 or weight.shape[1] % RUN or weight.numel() == 0):
+        return None
+    out_features, in_features = weight.shape
+    v = weight.detach().contiguous().view(-1, RUN)  # (B, 32), B = out * in / 32
+    scale_guesses, offset_guesses = _guesses(v)
+    codes = torch.empty(v.shape, dtype=torch.int8)
+    scales, offsets = torch.empty(v.shape[0]), torch.empty(v.shape[0])
+    failed = lib.code_runs_f32(v.data_ptr(), v.shape[0], scale_guesses.data_ptr(),
+                               offset_guesses.data_ptr(), scale_guesses.shape[0],
+                               codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                               torch.get_num_threads())
+    if failed:
+        return None
+    return CodedWeight(codes=_panels(codes.view(out_features, in_features)),
+                       params=_run_params(scales, offsets, out_features, in_features))
+
+
+def _panels(codes: torch.Tensor) -> torch.Tensor:
+    """(out, in) -> (ceil(out / 32), in, 32), zero past `out`."""
+    out_features, in_features = codes.shape
+    num_panels = -(-out_features // PANEL)
+    padded = codes.new_zeros(num_panels * PANEL, in_features)
+    padded[:out_features] = codes
+    return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def _run_params(scales: torch.Tensor, offsets: torch.Tensor, out_features: int,
+                in_features: int) -> torch.Tensor:
+    """Scales and offsets (out * in / 32,) -> (ceil(out / 32), in / 32, 2, 32)."""
+    both = torch.stack([scales, offsets]).view(2, out_features, in_features // RUN)
+    num_panels = -(-out_features // PANEL)
+    padded = both.new_zeros(2, num_panels * PANEL, in_features // RUN)
+    padded[:, :out_features] = both
+    # (2, P, 32, runs) -> (P, runs, 2, 32)
+    return padded.view(2, num_panels, PANEL, -1).permute(1, 3, 0, 2).contiguous()
+
+
+def rebuild(coded: CodedWeight, out_features: int) -> torch.Tensor:
+    """The float32 weight (out, in) the coded form stands for (for tests and checks)."""
+    num_panels, in_features, _ = coded.codes.shape
+    codes = coded.codes.float().transpose(1, 2).reshape(num_panels * PANEL, in_features)
+    params = coded.params.permute(2, 0, 3, 1).reshape(2, num_panels * PANEL, -1)
+    scale, offset = (p.repeat_interleave(RUN, dim=1) for p in params)
+    return (scale * codes + offset)[:out_features]

@@ -1,0 +1,148 @@
+/* y = x W^T (+ b) for float32 on CPUs, on a weight held as 8-bit codes: every run of 32
+ * inputs of an output row is scale * code + offset exactly, as in a block-quantized
+ * checkpoint (GGUF's Q4_0, Q4_1, Q8_0) whose float32 values the model computes with.
+ *
+ *   codes    (ceil(n / 32), k, 32) int8, linear.c's panel layout, zero past n
+ *   params   (ceil(n / 32), k / 32, 2, 32) float32: for each panel and run of 32 inputs, the
+ *            32 outputs' scales, then their offsets (k a multiple of 32)
+ *
+ * Each weight is rebuilt in registers (scale * code is exact, so adding the offset rounds
+ * once, as the checkpoint's dequantization did) and enters the same fused multiply-add chain
+ * over k as in linear.c: the results are linear_f32's on the float32 weight, bit for bit,
+ * while a quarter of the bytes stream from memory. Rebuilding costs three vector operations
+ * per 16 weights, so this pays for the few rows of a decode step (the caller picks).
+ */
+#include <stddef.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+#include "vec16.h"
+
+#define PANEL 32
+#define GROUP 10  /* 20 accumulators, 4 scale / offset vectors, 2 weights, 1 input */
+
+typedef int8_t c16 __attribute__((vector_size(16)));
+
+static inline v16 decode16(const int8_t *codes, v16 scale, v16 offset)
+{
+#ifdef __AVX512F__  /* vpmovsxbd + vcvtdq2ps: GCC's vector extensions go through scalars */
+    const v16 c = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)codes)));
+#else
+    c16 bytes;
+    memcpy(&bytes, codes, sizeof bytes);
+    const v16 c = __builtin_convertvector(__builtin_convertvector(bytes, i16), v16);
+#endif
+    return scale * c + offset;
+}
+
+/* rows x 32 outputs of one panel: `mr` is a constant in every call, so the loops unroll. */
+static inline __attribute__((always_inline)) void
+coded_rows(int mr, const float *x, int64_t x_stride, const int8_t *codes, const float *params,
+           int64_t k, const float *bias, float *out, int64_t out_stride, int64_t cols)
+{
+    v16 acc[GROUP][2];
+    const v16 b0 = bias ? load16(bias) : SPLAT(0.f), b1 = bias ? load16(bias + 16) : SPLAT(0.f);
+    for (int m = 0; m < mr; m++) { acc[m][0] = b0; acc[m][1] = b1; }
+    for (int64_t r = 0; r < k; r += PANEL) {
+        const float *p = params + r * 2;  /* (r / 32) runs of 64 floats */
+        const v16 s0 = load16(p), s1 = load16(p + 16), o0 = load16(p + 32), o1 = load16(p + 48);
+        for (int64_t i = r; i < r + PANEL; i++) {
+            const int8_t *c = codes + i * PANEL;
+            __builtin_prefetch(c + 32 * PANEL);
+            const v16 w0 = decode16(c, s0, o0), w1 = decode16(c + 16, s1, o1);
+            for (int m = 0; m < mr; m++) {
+                const v16 xv = SPLAT(x[m * x_stride + i]);
+                acc[m][0] += xv * w0;
+                acc[m][1] += xv * w1;
+            }
+        }
+    }
+    if (cols == PANEL) {
+        for (int m = 0; m < mr; m++) {
+            store16(out + m * out_stride, acc[m][0]);
+            store16(out + m * out_stride + 16, acc[m][1]);
+        }
+        return;
+    }
+    for (int m = 0; m < mr; m++)  /* the last panel of an n that is not a multiple of 32 */
+        for (int64_t j = 0; j < cols; j++)
+            out[m * out_stride + j] = acc[m][j / 16][j % 16];
+}
+
+static void coded_group(int64_t mr, const float *x, int64_t x_stride, const int8_t *codes,
+                        const float *params, int64_t k, const float *bias, float *out,
+                        int64_t out_stride, int64_t cols)
+{
+    switch (mr) {
+#define CASE(m) case m: coded_rows(m, x, x_stride, codes, params, k, bias, out, out_stride, \
+                                   cols); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+    CASE(7) CASE(8) CASE(9) CASE(10)
+#undef CASE
+    }
+}
+
+void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const int8_t *codes,
+                      const float *params, int64_t n, int64_t k, const float *bias, float *out,
+                      int64_t out_stride, int num_threads)
+{
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(guided) num_threads(num_threads)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
+        float padded_bias[PANEL] = {0};
+        const float *b = NULL;
+        if (bias) {
+            for (int64_t j = 0; j < cols; j++) padded_bias[j] = bias[c0 + j];
+            b = padded_bias;
+        }
+        const int64_t groups = (rows + GROUP - 1) / GROUP;
+        for (int64_t g = 0, r = 0; g < groups; g++) {
+            const int64_t mr = (rows - r) / (groups - g);
+            coded_group(mr, x + r * x_stride, x_stride, codes + p * k * PANEL,
+                        params + p * k * 2, k, b, out + r * out_stride + c0, out_stride, cols);
+            r += mr;
+        }
+    }
+}
+
+/* The coded form of a float32 weight, found and proved: for each run of 32 values, the first
+ * of `num_guesses` (scale, offset) guesses under which decode16, as the kernel runs it, gives
+ * every value back bit for bit from codes in [-128, 127]. runs: how many runs of 32 at v;
+ * guess_scales, guess_offsets: (num_guesses, runs); codes: (runs, 32); scales, offsets:
+ * (runs,). Returns how many runs no guess rebuilds (their codes are left zero). */
+int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
+                      const float *guess_offsets, int64_t num_guesses, int8_t *codes,
+                      float *scales, float *offsets, int num_threads)
+{
+    int64_t failed = 0;
+    #pragma omp parallel for reduction(+:failed) num_threads(num_threads)
+    for (int64_t r = 0; r < runs; r++) {
+        const float *x = v + r * PANEL;
+        int8_t *c = codes + r * PANEL;
+        int found = 0;
+        for (int64_t g = 0; g < num_guesses && !found; g++) {
+            const float s = guess_scales[g * runs + r], o = guess_offsets[g * runs + r];
+            int in_range = 1;
+            for (int j = 0; j < PANEL; j++) {
+                const float q = s == 0.f ? 0.f : __builtin_rintf((x[j] - o) / s);
+                in_range &= q >= -128.f && q <= 127.f;  /* false for NaN too */
+                c[j] = in_range ? (int8_t)q : 0;
+            }
+            float rebuilt[PANEL];
+            store16(rebuilt, decode16(c, SPLAT(s), SPLAT(o)));
+            store16(rebuilt + 16, decode16(c + 16, SPLAT(s), SPLAT(o)));
+            found = in_range && memcmp(rebuilt, x, sizeof rebuilt) == 0;
+            if (found) { scales[r] = s; offsets[r] = o; }
+        }
+        if (!found) {
+            memset(c, 0, PANEL);
+            failed++;
+        }
+    }
+    return failed;
+}

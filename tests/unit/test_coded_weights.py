@@ -1,0 +1,76 @@
+"""Coded weights (kernels/coded_weights.py, csrc/linear_coded.c): a float32 weight dequantized
+from GGUF's Q4_0, Q4_1 or Q8_0 blocks is proved to be 8-bit codes times a scale plus an offset,
+bit for bit, and the coded kernel gives linear_f32's results bit for bit (and F.linear's within
+float32 rounding); any other weight keeps the float32 path."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from pdserve.kernels import native
+from pdserve.kernels.coded_weights import encode, rebuild
+from pdserve.kernels.cpu_linear import CODED_MAX_ROWS, PackedLinear
+from pdserve.models.loader import _dequantize
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+
+
+def gguf_weight(shape, qtype, seed=0) -> torch.Tensor:
+    """A random weight through gguf's quantizer and the loader's dequantization."""
+    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05
+    raw = torch.from_numpy(quants.quantize(w, qtype).reshape(-1).view(np.uint8).copy())
+    return _dequantize(raw, qtype, shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_are_coded_and_rebuilt_bit_for_bit(qtype):
+    w = gguf_weight((100, 192), qtype)
+    coded = encode(w)
+    assert coded is not None
+    assert coded.codes.shape == (4, 192, 32) and coded.params.shape == (4, 6, 2, 32)
+    assert torch.equal(bits(rebuild(coded, 100)), bits(w))
+    assert not coded.codes[3, :, 4:].any()  # outputs past 100: zero codes
+
+
+@pytest.mark.parametrize("case", ["random", "bfloat16", "one value off", "nan", "width"])
+def test_other_weights_are_not_coded(case):
+    w = gguf_weight((64, 128), Q.Q4_1)
+    if case == "random":
+        w = torch.randn(64, 128)
+    elif case == "bfloat16":
+        w = torch.randn(64, 128).bfloat16().float()
+    elif case == "one value off":
+        w[7, 45] = torch.nextafter(w[7, 45], torch.tensor(1.0))
+    elif case == "nan":
+        w[3, :32] = float("nan")
+    else:
+        w = gguf_weight((64, 128), Q.Q4_1)[:, :100]
+    assert encode(w) is None
+    assert PackedLinear(w).codes is None
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("bias", [False, True])
+def test_coded_kernel_equals_the_float32_panels_bit_for_bit(qtype, bias):
+    w = gguf_weight((100, 256), qtype, seed=1)  # 100 outputs: a partial last panel
+    b = torch.randn(100) if bias else None
+    layer = PackedLinear(w, b)
+    assert layer.codes is not None
+    wide = torch.randn(40, 300)
+    for rows in (1, 2, 7, 10, 11, 17, CODED_MAX_ROWS):
+        x = wide[:rows, :256]  # rows with a stride wider than the inputs
+        coded = layer(x)
+        codes, layer.codes = layer.codes, None  # the float32 panels
+        plain = layer(x)
+        layer.codes = codes
+        assert torch.equal(bits(coded), bits(plain)), rows
+        reference = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(coded.double(), reference, rtol=1e-5, atol=1e-5)
+
