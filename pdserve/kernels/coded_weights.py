@@ -57,9 +57,9 @@ def _guesses(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def encode(weight: torch.Tensor) -> CodedWeight | None:
     """The coded form of a float32 CPU weight (out, in), or None when some run of 32 inputs is
     not exactly scale * code + offset, `in` is not a multiple of 32, or the native kernels
-    are not built."""
+    are not built or not for x86's AVX2 or AVX-512."""
     lib = native.load()
-    if (lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+    if (lib is None or not lib.linear_coded_supported() or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.dim() != 2 or weight.shape[1] % RUN or weight.numel() == 0):
         return None
     out_features, in_features = weight.shape

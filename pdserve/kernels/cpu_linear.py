@@ -7,12 +7,16 @@ layouts serve instead (benchmarks/linear_cpu.py has the numbers):
 - **panels** (the default where the native kernels build): panels of 32 outputs, k-major, for
   `csrc/linear.c`. A decode step streams each weight once at memory speed (on SmolLM2's
   shapes 1.2x oneDNN from 4 to 64 rows, 2.3x MKL at 1 row), prefill batches run level with
-  oneDNN, and a row's result does not depend on the other rows of the batch.
+  oneDNN, and a row's result does not depend on the other rows of the batch. Where the weight
+  is exactly 8-bit codes times a scale plus an offset per 32 inputs (a GGUF Q4/Q8 checkpoint,
+  `coded_weights.py`), the codes are kept too, and steps of up to CODED_MAX_ROWS rows stream
+  them instead (`csrc/linear_coded.c`, the same results bit for bit, 1.7-2.5x faster from 8
+  rows down to 1).
 - **onednn**: oneDNN's blocked layout, 20-35% faster than F.linear from 4 to a few dozen rows,
   with MKL's matrix-vector path on the plain weight below 4 rows.
 
 Either way the layer keeps the plain weight too (shared with the model, e.g. a tied embedding),
-so its weights take twice their memory.
+so its weights take twice their memory (and 1.25 bytes per weight more where coded).
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ class PackedLinear(nn.Module):
                   else torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.register_buffer("packed_weight", packed, persistent=False)
         coded = encode(weight) if self.layout == "panels" else None
-        self.register_buffer("codes", coded and coded.codes, persistent=False)
-        self.register_buffer("code_params", coded and coded.params, persistent=False)
+        self.register_buffer("codes", None if coded is None else coded.codes,
+                             persistent=False)
+        self.register_buffer("code_params", None if coded is None else coded.params,
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "panels":

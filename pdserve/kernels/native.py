@@ -55,6 +55,7 @@ _SIGNATURES = {
     # x, x_stride, rows, codes, params, n, k, bias (or NULL), out, out_stride, num_threads
     "linear_coded_f32": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64,
                          ctypes.c_int],
+    "linear_coded_supported": [],
     # v, runs, guess_scales, guess_offsets, num_guesses, codes, scales, offsets, num_threads
     "code_runs_f32": [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int],
     # x, row_stride, rows, heads, head_dim, cos, sin, num_threads

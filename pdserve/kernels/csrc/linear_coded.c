@@ -14,29 +14,49 @@
  */
 #include <stddef.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "kernels.h"
 #include "vec16.h"
 
-#define PANEL 32
+#define PANEL 32  /* outputs per panel */
+#define RUN 32    /* inputs per scale and offset */
 #define GROUP 10  /* 20 accumulators, 4 scale / offset vectors, 2 weights, 1 input */
 
 typedef int8_t c16 __attribute__((vector_size(16)));
 
+/* Widen and convert 16 codes with the vector instructions (vpmovsxbd + vcvtdq2ps): GCC's
+ * vector extensions would go through scalars. Elsewhere the kernel is not offered. */
 static inline v16 decode16(const int8_t *codes, v16 scale, v16 offset)
 {
-#ifdef __AVX512F__  /* vpmovsxbd + vcvtdq2ps: GCC's vector extensions go through scalars */
-    const v16 c = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128((const __m128i *)codes)));
+    v16 c;
+#if defined(__AVX512F__)
+    c = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+#elif defined(__AVX2__)
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64((const __m128i *)codes)));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64((const __m128i *)(codes + 8))));
+    memcpy(&c, &lo, sizeof lo);
+    memcpy((char *)&c + sizeof lo, &hi, sizeof hi);
 #else
     c16 bytes;
     memcpy(&bytes, codes, sizeof bytes);
-    const v16 c = __builtin_convertvector(__builtin_convertvector(bytes, i16), v16);
+    c = __builtin_convertvector(__builtin_convertvector(bytes, i16), v16);
 #endif
     return scale * c + offset;
+}
+
+/* Whether this build converts codes with vector instructions (else the panels serve). */
+int linear_coded_supported(void)
+{
+#if defined(__AVX512F__) || defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* rows x 32 outputs of one panel: `mr` is a constant in every call, so the loops unroll. */
@@ -47,10 +67,10 @@ coded_rows(int mr, const float *x, int64_t x_stride, const int8_t *codes, const 
     v16 acc[GROUP][2];
     const v16 b0 = bias ? load16(bias) : SPLAT(0.f), b1 = bias ? load16(bias + 16) : SPLAT(0.f);
     for (int m = 0; m < mr; m++) { acc[m][0] = b0; acc[m][1] = b1; }
-    for (int64_t r = 0; r < k; r += PANEL) {
-        const float *p = params + r * 2;  /* (r / 32) runs of 64 floats */
+    for (int64_t r = 0; r < k; r += RUN) {
+        const float *p = params + r / RUN * 2 * PANEL;
         const v16 s0 = load16(p), s1 = load16(p + 16), o0 = load16(p + 32), o1 = load16(p + 48);
-        for (int64_t i = r; i < r + PANEL; i++) {
+        for (int64_t i = r; i < r + RUN; i++) {
             const int8_t *c = codes + i * PANEL;
             __builtin_prefetch(c + 32 * PANEL);
             const v16 w0 = decode16(c, s0, o0), w1 = decode16(c + 16, s1, o1);
@@ -104,7 +124,8 @@ void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const int8
         for (int64_t g = 0, r = 0; g < groups; g++) {
             const int64_t mr = (rows - r) / (groups - g);
             coded_group(mr, x + r * x_stride, x_stride, codes + p * k * PANEL,
-                        params + p * k * 2, k, b, out + r * out_stride + c0, out_stride, cols);
+                        params + p * (k / RUN) * 2 * PANEL, k, b, out + r * out_stride + c0,
+                        out_stride, cols);
             r += mr;
         }
     }
@@ -122,25 +143,25 @@ int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
     int64_t failed = 0;
     #pragma omp parallel for reduction(+:failed) num_threads(num_threads)
     for (int64_t r = 0; r < runs; r++) {
-        const float *x = v + r * PANEL;
-        int8_t *c = codes + r * PANEL;
+        const float *x = v + r * RUN;
+        int8_t *c = codes + r * RUN;
         int found = 0;
         for (int64_t g = 0; g < num_guesses && !found; g++) {
             const float s = guess_scales[g * runs + r], o = guess_offsets[g * runs + r];
             int in_range = 1;
-            for (int j = 0; j < PANEL; j++) {
+            for (int j = 0; j < RUN; j++) {
                 const float q = s == 0.f ? 0.f : __builtin_rintf((x[j] - o) / s);
                 in_range &= q >= -128.f && q <= 127.f;  /* false for NaN too */
                 c[j] = in_range ? (int8_t)q : 0;
             }
-            float rebuilt[PANEL];
+            float rebuilt[RUN];
             store16(rebuilt, decode16(c, SPLAT(s), SPLAT(o)));
             store16(rebuilt + 16, decode16(c + 16, SPLAT(s), SPLAT(o)));
             found = in_range && memcmp(rebuilt, x, sizeof rebuilt) == 0;
             if (found) { scales[r] = s; offsets[r] = o; }
         }
         if (!found) {
-            memset(c, 0, PANEL);
+            memset(c, 0, RUN);
             failed++;
         }
     }
