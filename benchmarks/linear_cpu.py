@@ -7,7 +7,8 @@ the head to Q8_0 and back to float32, as the bundled GGUF is) at several row cou
 alternating the implementations, and prints JSON with milliseconds per pass and the ratios
 oneDNN / panels, F.linear / panels and panels / coded (above 1: the latter is faster).
 `coded` is PackedLinear as the engine runs it: coded weights up to CODED_MAX_ROWS rows, the
-panels above.
+panels above; `bf16` the same on those weights rounded to bfloat16 (as a bf16 checkpoint
+computed in float32 is held).
 
     python benchmarks/linear_cpu.py [--rows 1 8 64 2048] [--repeats 5]
 """
@@ -74,8 +75,10 @@ def main(argv=None) -> int:
     impls = {"f_linear": [(w.shape[1], lambda x, w=w: F.linear(x, w)) for w in ws],
              "onednn": [(w.shape[1], PackedLinear(w, layout="onednn")) for w in ws],
              "panels": [(w.shape[1], float32_panels(w)) for w in ws],
-             "coded": [(w.shape[1], PackedLinear(w, layout="panels")) for w in ws]}
-    assert all(layer.codes is not None for _, layer in impls["coded"])
+             "coded": [(w.shape[1], PackedLinear(w, layout="panels")) for w in ws],
+             "bf16": [(w.shape[1], PackedLinear(w.bfloat16().float(), layout="panels"))
+                      for w in ws]}
+    assert all(layer.codes is not None for _, layer in impls["coded"] + impls["bf16"])
     results = []
     with torch.inference_mode():
         for rows in args.rows:
@@ -88,7 +91,8 @@ def main(argv=None) -> int:
             results.append({"rows": rows, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
                             "onednn_over_panels": round(ms["onednn"] / ms["panels"], 3),
                             "f_linear_over_panels": round(ms["f_linear"] / ms["panels"], 3),
-                            "panels_over_coded": round(ms["panels"] / ms["coded"], 3)})
+                            "panels_over_coded": round(ms["panels"] / ms["coded"], 3),
+                            "panels_over_bf16": round(ms["panels"] / ms["bf16"], 3)})
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"command": " ".join(["python benchmarks/linear_cpu.py", *(
         sys.argv[1:] if argv is None else argv)]), "torch": torch.__version__,

@@ -1,16 +1,19 @@
-"""Float32 weights that are, exactly, 8-bit codes times a scale plus an offset per 32 inputs.
+"""Float32 weights held in fewer bytes that give back their float32 values exactly.
 
-A block-quantized checkpoint (GGUF's Q4_0, Q4_1 and Q8_0: the bundled SmolLM2 is Q4_1 with a
-Q8_0 embedding) is dequantized to float32 at load, and the model computes in float32 with
-those values. Each run of 32 inputs of an output row is then `scale * code + offset` with a
-float16 scale and offset and small integer codes, so a quarter of the bytes hold the same
-weight. `encode` finds that form from the float32 values alone and proves it: a run is coded
-only where the kernel's own rebuilding gives every value back bit for bit (csrc/
-linear_coded.c's `code_runs_f32`). A weight with any other run (random, bf16) gets None and
-keeps the float32 path.
+Two forms, found from the float32 values alone and proved value by value at load:
 
-csrc/linear_coded.c's kernel streams the codes instead of the float32 panels; the layouts
-here match its comment.
+- **8-bit codes.** A block-quantized checkpoint (GGUF's Q4_0, Q4_1 and Q8_0: the bundled
+  SmolLM2 is Q4_1 with a Q8_0 embedding) is dequantized to float32, and the model computes in
+  float32 with those values. Each run of 32 inputs of an output row is then `scale * code +
+  offset` with a float16 scale and small integer codes, so about a quarter of the bytes hold
+  the same weight. A run is coded only where the kernel's own rebuilding gives every value
+  back bit for bit (csrc/linear_coded.c's `code_runs_f32`).
+- **bfloat16.** A bf16 checkpoint (most on the Hugging Face hub) computed in float32, as a CPU
+  engine does by default: every value's lower 16 bits are zero, so half the bytes hold it.
+
+A weight in neither form (random float32, say) gets None and keeps the float32 path.
+csrc/linear_coded.c's kernel streams these instead of the float32 panels; the layouts here
+match its comment.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ PANEL = 32  # outputs per panel (csrc/linear.c's layout)
 
 @dataclass(frozen=True)
 class CodedWeight:
-    """codes: (ceil(out / 32), in, 32) int8; params: (ceil(out / 32), in / 32, 2, 32) float32,
-    the scales then the offsets of each panel's 32 outputs for each run of 32 inputs."""
+    """8-bit codes: codes (ceil(out / 32), in, 32) int8 and params (ceil(out / 32), in / 32, 2,
+    32) float32, the scales then the offsets of each panel's 32 outputs for each run of 32
+    inputs. bfloat16: codes (ceil(out / 32), in, 32) int16, the values' upper halves, and
+    params None."""
 
     codes: torch.Tensor
     params: torch.Tensor
@@ -55,14 +60,26 @@ def _guesses(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def encode(weight: torch.Tensor) -> CodedWeight | None:
-    """The coded form of a float32 CPU weight (out, in), or None when some run of 32 inputs is
-    not exactly scale * code + offset, `in` is not a multiple of 32, or the native kernels
-    are not built or not for x86's AVX2 or AVX-512."""
+    """A float32 CPU weight (out, in) as 8-bit codes, else as bfloat16, else None (also when
+    the native kernels are not built or not for x86's AVX2 or AVX-512)."""
     lib = native.load()
-    if (lib is None or not lib.linear_coded_supported() or weight.dtype != torch.float32 or weight.device.type != "cpu"
-            or weight.dim() != 2 or weight.shape[1] % RUN or weight.numel() == 0):
+    if (lib is None or not lib.linear_coded_supported() or weight.dtype != torch.float32
+            or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0):
         return None
+    return _codes(weight, lib) or _bfloat16(weight)
+
+
+def _bfloat16(weight: torch.Tensor) -> CodedWeight | None:
+    bits = weight.detach().contiguous().view(torch.int32)
+    if (bits & 0xFFFF).any():
+        return None
+    return CodedWeight(codes=_panels((bits >> 16).to(torch.int16)), params=None)
+
+
+def _codes(weight: torch.Tensor, lib) -> CodedWeight | None:
     out_features, in_features = weight.shape
+    if in_features % RUN:
+        return None
     v = weight.detach().contiguous().view(-1, RUN)  # (B, 32), B = out * in / 32
     scale_guesses, offset_guesses = _guesses(v)
     codes = torch.empty(v.shape, dtype=torch.int8)
@@ -100,6 +117,9 @@ def _run_params(scales: torch.Tensor, offsets: torch.Tensor, out_features: int,
 def rebuild(coded: CodedWeight, out_features: int) -> torch.Tensor:
     """The float32 weight (out, in) the coded form stands for (for tests and checks)."""
     num_panels, in_features, _ = coded.codes.shape
+    if coded.params is None:
+        bits = coded.codes.to(torch.int32).bitwise_left_shift(16)
+        return bits.view(torch.float32).transpose(1, 2).reshape(-1, in_features)[:out_features]
     codes = coded.codes.float().transpose(1, 2).reshape(num_panels * PANEL, in_features)
     params = coded.params.permute(2, 0, 3, 1).reshape(2, num_panels * PANEL, -1)
     scale, offset = (p.repeat_interleave(RUN, dim=1) for p in params)

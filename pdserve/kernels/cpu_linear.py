@@ -8,15 +8,15 @@ layouts serve instead (benchmarks/linear_cpu.py has the numbers):
   `csrc/linear.c`. A decode step streams each weight once at memory speed (on SmolLM2's
   shapes 1.2x oneDNN from 4 to 64 rows, 2.3x MKL at 1 row), prefill batches run level with
   oneDNN, and a row's result does not depend on the other rows of the batch. Where the weight
-  is exactly 8-bit codes times a scale plus an offset per 32 inputs (a GGUF Q4/Q8 checkpoint,
-  `coded_weights.py`), the codes are kept too, and steps of up to CODED_MAX_ROWS rows stream
-  them instead (`csrc/linear_coded.c`, the same results bit for bit, 1.7-2.5x faster from 8
-  rows down to 1).
+  is exactly 8-bit codes times a scale plus an offset per 32 inputs (a GGUF Q4/Q8 checkpoint)
+  or bfloat16 values (a bf16 checkpoint), `coded_weights.py` keeps that form too, and steps of
+  up to CODED_MAX_ROWS rows stream it instead (`csrc/linear_coded.c`: the same results bit
+  for bit in a quarter or half the bytes).
 - **onednn**: oneDNN's blocked layout, 20-35% faster than F.linear from 4 to a few dozen rows,
   with MKL's matrix-vector path on the plain weight below 4 rows.
 
 Either way the layer keeps the plain weight too (shared with the model, e.g. a tied embedding),
-so its weights take twice their memory (and 1.25 bytes per weight more where coded).
+so its weights take twice their memory (and 1.25 or 2 bytes per weight more where coded).
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ class PackedLinear(nn.Module):
         if self.codes is not None and x.shape[0] <= CODED_MAX_ROWS:
             native.load().linear_coded_f32(
                 x.data_ptr(), x.stride(0), x.shape[0], self.codes.data_ptr(),
-                self.code_params.data_ptr(), self.out_features, self.in_features, bias,
-                out.data_ptr(), out.stride(0), torch.get_num_threads())
+                None if self.code_params is None else self.code_params.data_ptr(),
+                self.out_features, self.in_features, bias, out.data_ptr(), out.stride(0),
+                torch.get_num_threads())
             return out
         native.load().linear_f32(x.data_ptr(), x.stride(0), x.shape[0],
                                  self.packed_weight.data_ptr(), self.out_features,

@@ -5,7 +5,7 @@ size 16, which the loop does not serve, so these use head size 64."""
 import pytest
 import torch
 from hf_reference import hf_greedy
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve import LLM, SamplingParams, TokensPrompt
 from pdserve.kernels import native
@@ -22,6 +22,29 @@ def test_engine_matches_transformers_through_native_layers(tmp_path, architectur
     assert llm.llm_engine.runner.model.native_layers is not None
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [[5 + (11 * i + 3 * j) % 900 for j in range(9 + 23 * i)] for i in range(4)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+def test_bfloat16_checkpoint_in_float32_matches_transformers(tmp_path):
+    """A bf16 checkpoint served in float32 (the CPU default): its projections are held as
+    bfloat16 (kernels/coded_weights.py), and greedy output still equals transformers' in
+    float32 on the same checkpoint."""
+    fp32 = write_tiny_llama(tmp_path / "fp32", hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1, num_hidden_layers=2, head_dim=64)
+    path = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(fp32).save_pretrained(path)
+    llm = LLM(model=str(path), kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=48)
+    model = llm.llm_engine.runner.model
+    assert model.native_layers is not None
+    assert all(w.qkv_codes and w.down_codes and not w.qkv_params
+               for w in model.native_layers.weights)  # bfloat16 codes: no params
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[5 + (7 * i + 5 * j) % 900 for j in range(6 + 19 * i)] for i in range(3)]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

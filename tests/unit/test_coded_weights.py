@@ -1,7 +1,8 @@
 """Coded weights (kernels/coded_weights.py, csrc/linear_coded.c): a float32 weight dequantized
 from GGUF's Q4_0, Q4_1 or Q8_0 blocks is proved to be 8-bit codes times a scale plus an offset,
-bit for bit, and the coded kernel gives linear_f32's results bit for bit (and F.linear's within
-float32 rounding); any other weight keeps the float32 path."""
+one with bfloat16 values is held as bfloat16, both rebuilt bit for bit, and the coded kernel
+gives linear_f32's results bit for bit (and F.linear's within float32 rounding); any other
+weight keeps the float32 path."""
 
 import numpy as np
 import pytest
@@ -39,13 +40,21 @@ def test_gguf_blocks_are_coded_and_rebuilt_bit_for_bit(qtype):
     assert not coded.codes[3, :, 4:].any()  # outputs past 100: zero codes
 
 
-@pytest.mark.parametrize("case", ["random", "bfloat16", "one value off", "nan", "width"])
+def test_bfloat16_values_are_held_as_bfloat16():
+    w = torch.randn(100, 200).bfloat16().float()  # 200 inputs: not runs of 32
+    coded = encode(w)
+    assert coded is not None and coded.params is None
+    assert coded.codes.dtype == torch.int16 and coded.codes.shape == (4, 200, 32)
+    assert torch.equal(bits(rebuild(coded, 100)), bits(w))
+    w[5, 7] = torch.nextafter(w[5, 7], torch.tensor(1.0))  # no longer a bfloat16 value
+    assert encode(w) is None
+
+
+@pytest.mark.parametrize("case", ["random", "one value off", "nan", "width"])
 def test_other_weights_are_not_coded(case):
     w = gguf_weight((64, 128), Q.Q4_1)
     if case == "random":
         w = torch.randn(64, 128)
-    elif case == "bfloat16":
-        w = torch.randn(64, 128).bfloat16().float()
     elif case == "one value off":
         w[7, 45] = torch.nextafter(w[7, 45], torch.tensor(1.0))
     elif case == "nan":
@@ -56,10 +65,11 @@ def test_other_weights_are_not_coded(case):
     assert PackedLinear(w).codes is None
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("form", [Q.Q4_1, Q.Q8_0, "bfloat16"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_coded_kernel_equals_the_float32_panels_bit_for_bit(qtype, bias):
-    w = gguf_weight((100, 256), qtype, seed=1)  # 100 outputs: a partial last panel
+def test_coded_kernel_equals_the_float32_panels_bit_for_bit(form, bias):
+    w = (torch.randn(100, 256).bfloat16().float() if form == "bfloat16"
+         else gguf_weight((100, 256), form, seed=1))  # 100 outputs: a partial last panel
     b = torch.randn(100) if bias else None
     layer = PackedLinear(w, b)
     assert layer.codes is not None

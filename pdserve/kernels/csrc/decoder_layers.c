@@ -36,7 +36,7 @@ static void write_kv(const float *qkv, int64_t qkv_stride, int64_t T, const int6
 
 /* out = x W^T (+ b) on the coded weight for a step's few rows, else on the float32 panels:
  * the same results either way (linear_coded.c). */
-static void project(const float *x, int64_t T, const float *panels, const int8_t *codes,
+static void project(const float *x, int64_t T, const float *panels, const void *codes,
                     const float *params, int64_t n, int64_t k, const float *bias, float *out,
                     int64_t coded_max_rows, int num_threads)
 {

@@ -14,9 +14,9 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;  /* (hidden,) */
     const float *qkv, *qkv_bias, *o, *gate_up, *down;
-    /* the same projections as linear_coded.c's codes and params, each pair NULL where a
-     * weight is not so held */
-    const int8_t *qkv_codes, *o_codes, *gate_up_codes, *down_codes;
+    /* the same projections as linear_coded.c's codes and params: codes NULL where a weight
+     * is not so held, params NULL where its codes are bfloat16 values */
+    const void *qkv_codes, *o_codes, *gate_up_codes, *down_codes;
     const float *qkv_params, *o_params, *gate_up_params, *down_params;
 } layer_weights;
 

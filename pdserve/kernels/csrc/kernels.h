@@ -20,7 +20,7 @@ void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
 void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *panels, int64_t n,
                 int64_t k, const float *bias, float *out, int64_t out_stride, int num_threads);
 int linear_coded_supported(void);
-void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const int8_t *codes,
+void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void *codes,
                       const float *params, int64_t n, int64_t k, const float *bias, float *out,
                       int64_t out_stride, int num_threads);
 int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,

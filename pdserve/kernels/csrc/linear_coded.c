@@ -1,16 +1,21 @@
-/* y = x W^T (+ b) for float32 on CPUs, on a weight held as 8-bit codes: every run of 32
- * inputs of an output row is scale * code + offset exactly, as in a block-quantized
- * checkpoint (GGUF's Q4_0, Q4_1, Q8_0) whose float32 values the model computes with.
+/* y = x W^T (+ b) for float32 on CPUs, on a weight held in fewer bytes that give back its
+ * float32 values exactly:
  *
- *   codes    (ceil(n / 32), k, 32) int8, linear.c's panel layout, zero past n
- *   params   (ceil(n / 32), k / 32, 2, 32) float32: for each panel and run of 32 inputs, the
- *            32 outputs' scales, then their offsets (k a multiple of 32)
+ *   8-bit codes: every run of 32 inputs of an output row is scale * code + offset, as in a
+ *     block-quantized checkpoint (GGUF's Q4_0, Q4_1, Q8_0) whose float32 values the model
+ *     computes with.
+ *       codes   (ceil(n / 32), k, 32) int8, linear.c's panel layout, zero past n
+ *       params  (ceil(n / 32), k / 32, 2, 32) float32: for each panel and run of 32 inputs,
+ *               the 32 outputs' scales, then their offsets (k a multiple of 32)
+ *   bfloat16: every value is a bfloat16 one (a bf16 checkpoint computed in float32).
+ *       codes   (ceil(n / 32), k, 32) uint16, the values' upper halves; params NULL
  *
  * Each weight is rebuilt in registers (scale * code is exact, so adding the offset rounds
- * once, as the checkpoint's dequantization did) and enters the same fused multiply-add chain
- * over k as in linear.c: the results are linear_f32's on the float32 weight, bit for bit,
- * while a quarter of the bytes stream from memory. Rebuilding costs three vector operations
- * per 16 weights, so this pays for the few rows of a decode step (the caller picks).
+ * once, as the checkpoint's dequantization did; a bfloat16 value is the upper half of its
+ * float32) and enters the same fused multiply-add chain over k as in linear.c: the results
+ * are linear_f32's on the float32 weight, bit for bit, while a quarter (a half) of the bytes
+ * stream from memory. Rebuilding costs two or three vector operations per 16 weights, so
+ * this pays for the few rows of a decode step (the caller picks).
  */
 #include <stddef.h>
 #include <string.h>
@@ -49,6 +54,28 @@ static inline v16 decode16(const int8_t *codes, v16 scale, v16 offset)
     return scale * c + offset;
 }
 
+/* 16 bfloat16 values (their bit patterns) widened to float32: zero-extend, shift left 16. */
+static inline v16 widen_bf16(const uint16_t *h)
+{
+#if defined(__AVX512F__)
+    return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+#elif defined(__AVX2__)
+    const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(
+        _mm_loadu_si128((const __m128i *)h)), 16);
+    const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(
+        _mm_loadu_si128((const __m128i *)(h + 8))), 16);
+    v16 c;
+    memcpy(&c, &lo, sizeof lo);
+    memcpy((char *)&c + sizeof lo, &hi, sizeof hi);
+    return c;
+#else
+    i16 c;
+    for (int j = 0; j < 16; j++) c[j] = (int32_t)h[j] << 16;
+    return (v16)c;
+#endif
+}
+
 /* Whether this build converts codes with vector instructions (else the panels serve). */
 int linear_coded_supported(void)
 {
@@ -59,26 +86,38 @@ int linear_coded_supported(void)
 #endif
 }
 
-/* rows x 32 outputs of one panel: `mr` is a constant in every call, so the loops unroll. */
+/* rows x 32 outputs of one panel: `mr` and `bf16` are constants in every call, so the loops
+ * unroll and the weights' form is fixed. */
 static inline __attribute__((always_inline)) void
-coded_rows(int mr, const float *x, int64_t x_stride, const int8_t *codes, const float *params,
-           int64_t k, const float *bias, float *out, int64_t out_stride, int64_t cols)
+coded_rows(int mr, int bf16, const float *x, int64_t x_stride, const void *codes,
+           const float *params, int64_t k, const float *bias, float *out, int64_t out_stride,
+           int64_t cols)
 {
     v16 acc[GROUP][2];
     const v16 b0 = bias ? load16(bias) : SPLAT(0.f), b1 = bias ? load16(bias + 16) : SPLAT(0.f);
     for (int m = 0; m < mr; m++) { acc[m][0] = b0; acc[m][1] = b1; }
-    for (int64_t r = 0; r < k; r += RUN) {
-        const float *p = params + r / RUN * 2 * PANEL;
-        const v16 s0 = load16(p), s1 = load16(p + 16), o0 = load16(p + 32), o1 = load16(p + 48);
-        for (int64_t i = r; i < r + RUN; i++) {
-            const int8_t *c = codes + i * PANEL;
-            __builtin_prefetch(c + 32 * PANEL);
-            const v16 w0 = decode16(c, s0, o0), w1 = decode16(c + 16, s1, o1);
-            for (int m = 0; m < mr; m++) {
-                const v16 xv = SPLAT(x[m * x_stride + i]);
-                acc[m][0] += xv * w0;
-                acc[m][1] += xv * w1;
+    v16 s0 = SPLAT(0.f), s1 = s0, o0 = s0, o1 = s0;
+    for (int64_t i = 0; i < k; i++) {
+        v16 w0, w1;
+        if (bf16) {
+            const uint16_t *c = (const uint16_t *)codes + i * PANEL;
+            __builtin_prefetch(c + 16 * PANEL);
+            w0 = widen_bf16(c);
+            w1 = widen_bf16(c + 16);
+        } else {
+            if (i % RUN == 0) {  /* a new run: its scales and offsets */
+                const float *p = params + i / RUN * 2 * PANEL;
+                s0 = load16(p); s1 = load16(p + 16); o0 = load16(p + 32); o1 = load16(p + 48);
             }
+            const int8_t *c = (const int8_t *)codes + i * PANEL;
+            __builtin_prefetch(c + 32 * PANEL);
+            w0 = decode16(c, s0, o0);
+            w1 = decode16(c + 16, s1, o1);
+        }
+        for (int m = 0; m < mr; m++) {
+            const v16 xv = SPLAT(x[m * x_stride + i]);
+            acc[m][0] += xv * w0;
+            acc[m][1] += xv * w1;
         }
     }
     if (cols == PANEL) {
@@ -93,20 +132,21 @@ coded_rows(int mr, const float *x, int64_t x_stride, const int8_t *codes, const 
             out[m * out_stride + j] = acc[m][j / 16][j % 16];
 }
 
-static void coded_group(int64_t mr, const float *x, int64_t x_stride, const int8_t *codes,
+static void coded_group(int64_t mr, const float *x, int64_t x_stride, const void *codes,
                         const float *params, int64_t k, const float *bias, float *out,
                         int64_t out_stride, int64_t cols)
 {
-    switch (mr) {
-#define CASE(m) case m: coded_rows(m, x, x_stride, codes, params, k, bias, out, out_stride, \
-                                   cols); break;
+    switch (mr + (params ? 0 : 100)) {
+#define CASE(m) \
+    case m: coded_rows(m, 0, x, x_stride, codes, params, k, bias, out, out_stride, cols); break; \
+    case m + 100: coded_rows(m, 1, x, x_stride, codes, NULL, k, bias, out, out_stride, cols); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
     CASE(7) CASE(8) CASE(9) CASE(10)
 #undef CASE
     }
 }
 
-void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const int8_t *codes,
+void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void *codes,
                       const float *params, int64_t n, int64_t k, const float *bias, float *out,
                       int64_t out_stride, int num_threads)
 {
@@ -123,9 +163,10 @@ void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const int8
         const int64_t groups = (rows + GROUP - 1) / GROUP;
         for (int64_t g = 0, r = 0; g < groups; g++) {
             const int64_t mr = (rows - r) / (groups - g);
-            coded_group(mr, x + r * x_stride, x_stride, codes + p * k * PANEL,
-                        params + p * (k / RUN) * 2 * PANEL, k, b, out + r * out_stride + c0,
-                        out_stride, cols);
+            const void *panel = (const char *)codes + p * k * PANEL * (params ? 1 : 2);
+            coded_group(mr, x + r * x_stride, x_stride, panel,
+                        params ? params + p * (k / RUN) * 2 * PANEL : NULL, k, b,
+                        out + r * out_stride + c0, out_stride, cols);
             r += mr;
         }
     }
