@@ -36,7 +36,7 @@ class CodedWeight:
     params None."""
 
     codes: torch.Tensor
-    params: torch.Tensor
+    params: torch.Tensor | None
 
 
 def _half(x: torch.Tensor) -> list[torch.Tensor]:
