@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "linear.c",
            "linear_coded.c", "decoder_layers.c")
-HEADERS = ("vec16.h", "kernels.h", "decoder_layers.h")
+HEADERS = ("vec16.h", "kernels.h", "decoder_layers.h", "panel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"

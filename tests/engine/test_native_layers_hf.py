@@ -12,6 +12,16 @@ from pdserve.kernels import native
 from pdserve.models.tiny import write_tiny_llama
 
 
+def assert_greedy_matches_transformers(llm, path, prompts, max_tokens=12):
+    """`max_tokens` greedy tokens per prompt from `llm` equal transformers' in float32, loaded
+    from `path`."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, max_tokens)
+
+
 @pytest.mark.skipif(native.load() is None, reason="native kernels not built")
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 def test_engine_matches_transformers_through_native_layers(tmp_path, architecture):
@@ -20,12 +30,8 @@ def test_engine_matches_transformers_through_native_layers(tmp_path, architectur
                             head_dim=64, attention_bias=architecture == "Qwen2ForCausalLM")
     llm = LLM(model=str(path), kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=48)
     assert llm.llm_engine.runner.model.native_layers is not None
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = [[5 + (11 * i + 3 * j) % 900 for j in range(9 + 23 * i)] for i in range(4)]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 12)
+    assert_greedy_matches_transformers(llm, path, [[5 + (11 * i + 3 * j) % 900 for j in
+                                                    range(9 + 23 * i)] for i in range(4)])
 
 
 @pytest.mark.skipif(native.load() is None, reason="native kernels not built")
@@ -43,9 +49,5 @@ def test_bfloat16_checkpoint_in_float32_matches_transformers(tmp_path):
     assert model.native_layers is not None
     assert all(w.qkv_codes and w.down_codes and not w.qkv_params
                for w in model.native_layers.weights)  # bfloat16 codes: no params
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = [[5 + (7 * i + 5 * j) % 900 for j in range(6 + 19 * i)] for i in range(3)]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 12)
+    assert_greedy_matches_transformers(llm, path, [[5 + (7 * i + 5 * j) % 900 for j in
+                                                    range(6 + 19 * i)] for i in range(3)])

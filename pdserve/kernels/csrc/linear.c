@@ -14,9 +14,8 @@
 #include <stddef.h>
 
 #include "kernels.h"
-#include "vec16.h"
+#include "panel.h"
 
-#define PANEL 32
 #define GROUP 14
 #define BLOCK_BYTES (512 * 1024)  /* rows of x per block: about this much of them */
 
@@ -26,28 +25,14 @@ panel_rows(int mr, const float *x, int64_t x_stride, const float *panel, int64_t
            const float *bias, float *out, int64_t out_stride, int64_t cols)
 {
     v16 acc[GROUP][2];  /* 28 of the 32 vector registers */
-    const v16 b0 = bias ? load16(bias) : SPLAT(0.f), b1 = bias ? load16(bias + 16) : SPLAT(0.f);
-    for (int m = 0; m < mr; m++) { acc[m][0] = b0; acc[m][1] = b1; }
+    panel_start(mr, acc, bias);
     for (int64_t i = 0; i < k; i++) {
         const v16 w0 = load16(panel + i * PANEL), w1 = load16(panel + i * PANEL + 16);
         __builtin_prefetch(panel + (i + 16) * PANEL);
         __builtin_prefetch(panel + (i + 16) * PANEL + 16);
-        for (int m = 0; m < mr; m++) {
-            const v16 xv = SPLAT(x[m * x_stride + i]);
-            acc[m][0] += xv * w0;
-            acc[m][1] += xv * w1;
-        }
+        panel_step(mr, acc, x, x_stride, i, w0, w1);
     }
-    if (cols == PANEL) {
-        for (int m = 0; m < mr; m++) {
-            store16(out + m * out_stride, acc[m][0]);
-            store16(out + m * out_stride + 16, acc[m][1]);
-        }
-        return;
-    }
-    for (int m = 0; m < mr; m++)  /* the last panel of an n that is not a multiple of 32 */
-        for (int64_t j = 0; j < cols; j++)
-            out[m * out_stride + j] = acc[m][j / 16][j % 16];
+    panel_store(mr, acc, out, out_stride, cols);
 }
 
 static void panel_group(int64_t mr, const float *x, int64_t x_stride, const float *panel,
@@ -74,12 +59,8 @@ void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *pan
         #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
             const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
-            float padded_bias[PANEL] = {0};
-            const float *b = NULL;
-            if (bias) {
-                for (int64_t j = 0; j < cols; j++) padded_bias[j] = bias[c0 + j];
-                b = padded_bias;
-            }
+            float padded_bias[PANEL];
+            const float *b = panel_bias(bias, c0, cols, padded_bias);
             /* groups of even size (32 rows: 11 + 11 + 10, not 14 + 14 + 4) */
             const int64_t groups = (r1 - r0 + GROUP - 1) / GROUP;
             for (int64_t g = 0, r = r0; g < groups; g++) {

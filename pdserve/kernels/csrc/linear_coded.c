@@ -12,10 +12,10 @@
  *
  * Each weight is rebuilt in registers (scale * code is exact, so adding the offset rounds
  * once, as the checkpoint's dequantization did; a bfloat16 value is the upper half of its
- * float32) and enters the same fused multiply-add chain over k as in linear.c: the results
- * are linear_f32's on the float32 weight, bit for bit, while a quarter (a half) of the bytes
- * stream from memory. Rebuilding costs two or three vector operations per 16 weights, so
- * this pays for the few rows of a decode step (the caller picks).
+ * float32) and enters the same fused multiply-add chain over k as in linear.c (panel.h):
+ * the results are linear_f32's on the float32 weight, bit for bit, while a quarter (a half)
+ * of the bytes stream from memory. Rebuilding costs two or three vector operations per 16
+ * weights, so this pays for the few rows of a decode step (the caller picks).
  */
 #include <stddef.h>
 #include <string.h>
@@ -24,9 +24,8 @@
 #endif
 
 #include "kernels.h"
-#include "vec16.h"
+#include "panel.h"
 
-#define PANEL 32  /* outputs per panel */
 #define RUN 32    /* inputs per scale and offset */
 #define GROUP 10  /* 20 accumulators, 4 scale / offset vectors, 2 weights, 1 input */
 
@@ -94,8 +93,7 @@ coded_rows(int mr, int bf16, const float *x, int64_t x_stride, const void *codes
            int64_t cols)
 {
     v16 acc[GROUP][2];
-    const v16 b0 = bias ? load16(bias) : SPLAT(0.f), b1 = bias ? load16(bias + 16) : SPLAT(0.f);
-    for (int m = 0; m < mr; m++) { acc[m][0] = b0; acc[m][1] = b1; }
+    panel_start(mr, acc, bias);
     v16 s0 = SPLAT(0.f), s1 = s0, o0 = s0, o1 = s0;
     for (int64_t i = 0; i < k; i++) {
         v16 w0, w1;
@@ -114,22 +112,9 @@ coded_rows(int mr, int bf16, const float *x, int64_t x_stride, const void *codes
             w0 = decode16(c, s0, o0);
             w1 = decode16(c + 16, s1, o1);
         }
-        for (int m = 0; m < mr; m++) {
-            const v16 xv = SPLAT(x[m * x_stride + i]);
-            acc[m][0] += xv * w0;
-            acc[m][1] += xv * w1;
-        }
+        panel_step(mr, acc, x, x_stride, i, w0, w1);
     }
-    if (cols == PANEL) {
-        for (int m = 0; m < mr; m++) {
-            store16(out + m * out_stride, acc[m][0]);
-            store16(out + m * out_stride + 16, acc[m][1]);
-        }
-        return;
-    }
-    for (int m = 0; m < mr; m++)  /* the last panel of an n that is not a multiple of 32 */
-        for (int64_t j = 0; j < cols; j++)
-            out[m * out_stride + j] = acc[m][j / 16][j % 16];
+    panel_store(mr, acc, out, out_stride, cols);
 }
 
 static void coded_group(int64_t mr, const float *x, int64_t x_stride, const void *codes,
@@ -154,12 +139,8 @@ void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void
     #pragma omp parallel for schedule(guided) num_threads(num_threads)
     for (int64_t p = 0; p < num_panels; p++) {
         const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
-        float padded_bias[PANEL] = {0};
-        const float *b = NULL;
-        if (bias) {
-            for (int64_t j = 0; j < cols; j++) padded_bias[j] = bias[c0 + j];
-            b = padded_bias;
-        }
+        float padded_bias[PANEL];
+        const float *b = panel_bias(bias, c0, cols, padded_bias);
         const int64_t groups = (rows + GROUP - 1) / GROUP;
         for (int64_t g = 0, r = 0; g < groups; g++) {
             const int64_t mr = (rows - r) / (groups - g);
