@@ -11,19 +11,23 @@ Two forms, found from the float32 values alone and proved value by value at load
 - **bfloat16.** A bf16 checkpoint (most on the Hugging Face hub) computed in float32, as a CPU
   engine does by default: every value's lower 16 bits are zero, so half the bytes hold it.
 
-A weight in neither form (random float32, say) gets None and keeps the float32 path.
+A weight in neither form (random float32, say) gets None and keeps the float32 path, as does
+every weight with `PDSERVE_CODED_WEIGHTS=0` (the coded form is kept beside the float32 panels:
+1.25 or 2 bytes per weight more).
 csrc/linear_coded.c's kernel streams these instead of the float32 panels; the layouts here
 match its comment.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.kernels import native
 
+DISABLE_ENV = "PDSERVE_CODED_WEIGHTS"
 RUN = 32  # inputs per scale and offset
 PANEL = 32  # outputs per panel (csrc/linear.c's layout)
 
@@ -61,9 +65,9 @@ def _guesses(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def encode(weight: torch.Tensor) -> CodedWeight | None:
     """A float32 CPU weight (out, in) as 8-bit codes, else as bfloat16, else None (also when
-    the native kernels are not built or not for x86's AVX2 or AVX-512)."""
+    disabled, or the native kernels are not built or not for x86's AVX2 or AVX-512)."""
     lib = native.load()
-    if (lib is None or not lib.linear_coded_supported() or weight.dtype != torch.float32
+    if (os.environ.get(DISABLE_ENV, "1") == "0" or lib is None or not lib.linear_coded_supported() or weight.dtype != torch.float32
             or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0):
         return None
     return _codes(weight, lib) or _bfloat16(weight)

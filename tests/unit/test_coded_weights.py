@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from pdserve.kernels import native
-from pdserve.kernels.coded_weights import encode, rebuild
+from pdserve.kernels.coded_weights import DISABLE_ENV, encode, rebuild
 from pdserve.kernels.cpu_linear import CODED_MAX_ROWS, PackedLinear
 from pdserve.models.loader import _dequantize
 
@@ -85,3 +85,11 @@ def test_coded_kernel_equals_the_float32_panels_bit_for_bit(form, bias):
         reference = F.linear(x.double(), w.double(), None if b is None else b.double())
         torch.testing.assert_close(coded.double(), reference, rtol=1e-5, atol=1e-5)
 
+
+
+def test_coded_weights_can_be_turned_off(monkeypatch):
+    w = gguf_weight((64, 128), Q.Q4_1)
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    assert encode(w) is None and PackedLinear(w).codes is None
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert PackedLinear(w).codes is not None
