@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels import native
+from pdserve.kernels.cpu_linear import PANEL, pack_panels
 
 DISABLE_ENV = "PDSERVE_CODED_WEIGHTS"
 RUN = 32  # inputs per scale and offset
-PANEL = 32  # outputs per panel (csrc/linear.c's layout)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _bfloat16(weight: torch.Tensor) -> CodedWeight | None:
     bits = weight.detach().contiguous().view(torch.int32)
     if (bits & 0xFFFF).any():
         return None
-    return CodedWeight(codes=_panels((bits >> 16).to(torch.int16)), params=None)
+    return CodedWeight(codes=pack_panels((bits >> 16).to(torch.int16)), params=None)
 
 
 def _codes(weight: torch.Tensor, lib) -> CodedWeight | None:
@@ -94,17 +94,8 @@ def _codes(weight: torch.Tensor, lib) -> CodedWeight | None:
                                torch.get_num_threads())
     if failed:
         return None
-    return CodedWeight(codes=_panels(codes.view(out_features, in_features)),
+    return CodedWeight(codes=pack_panels(codes.view(out_features, in_features)),
                        params=_run_params(scales, offsets, out_features, in_features))
-
-
-def _panels(codes: torch.Tensor) -> torch.Tensor:
-    """(out, in) -> (ceil(out / 32), in, 32), zero past `out`."""
-    out_features, in_features = codes.shape
-    num_panels = -(-out_features // PANEL)
-    padded = codes.new_zeros(num_panels * PANEL, in_features)
-    padded[:out_features] = codes
-    return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
 
 
 def _run_params(scales: torch.Tensor, offsets: torch.Tensor, out_features: int,

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import native
-from pdserve.kernels.coded_weights import encode
 
 PANEL = 32  # outputs per panel of csrc/linear.c's layout
 ONEDNN_MIN_ROWS = 4  # below this, MKL on the plain weight beats oneDNN's layout
@@ -41,7 +40,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """(out, in) -> (ceil(out / 32), in, 32), zero past `out`: panel p, row k holds outputs
-    32p .. 32p + 31 of input k."""
+    32p .. 32p + 31 of input k. Any dtype (coded weights use it for their codes)."""
     out_features, in_features = weight.shape
     num_panels = -(-out_features // PANEL)
     padded = weight.new_zeros(num_panels * PANEL, in_features)
@@ -68,6 +67,8 @@ class PackedLinear(nn.Module):
         packed = (pack_panels(weight) if self.layout == "panels"
                   else torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.register_buffer("packed_weight", packed, persistent=False)
+        from pdserve.kernels.coded_weights import encode  # it imports this module's layout
+
         coded = encode(weight) if self.layout == "panels" else None
         self.register_buffer("codes", None if coded is None else coded.codes,
                              persistent=False)
