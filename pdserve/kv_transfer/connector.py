@@ -12,6 +12,7 @@ Split by side, as the engine is:
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import time
@@ -24,6 +25,8 @@ import torch
 
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.transport import KVLayout, KVTransport, zeroed_kv_cache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,10 @@ class TransportConnector(KVConnector):
     """A connector over one `KVTransport` (shm, tcp or nixl), loading on a worker thread.
 
     `on_loaded(handle)` runs on the worker thread after every load attempt, so the producer
-    can release its lease (the decode service passes its Release call).
+    can release its lease (the decode service passes its Release call). It runs once the
+    engine has the result: the producer answers a release between its own engine steps, and
+    a decode that waited for that answer waited up to a whole prefill step (20-40 ms on
+    average, from logs of `benchmarks/disagg_vs_colocated.py`) before its first step.
     """
 
     def __init__(self, transport: KVTransport,
@@ -187,12 +193,13 @@ class TransportConnector(KVConnector):
         except Exception as e:  # noqa: BLE001 - every failure is reported, none is lost
             result = LoadResult(request_id, False, f"{type(e).__name__}: {e}", 0,
                                 time.perf_counter() - start, handle)
+        self._done.put(result)
+        for listener in self._load_listeners:
+            listener()
         try:
             self.on_loaded(handle)
-        finally:
-            self._done.put(result)
-            for listener in self._load_listeners:
-                listener()
+        except Exception:  # noqa: BLE001 - best effort: the producer's lease expires anyway
+            logger.exception("after loading %s: on_loaded failed", request_id)
 
     def take_finished_loads(self) -> list[LoadResult]:
         out = []

@@ -39,6 +39,15 @@ def pd_pair(tiny_model_dir):
     decode.connector.close()
 
 
+def wait_for(predicate, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def prefill_then_decode(prefill, decode, rid, params):
     p_params = params.clone()
     p_params.max_tokens = 1
@@ -63,7 +72,7 @@ def test_disaggregated_equals_colocated_and_frees_everything(tiny_model_dir, pd_
         assert d_out.outputs[0].token_ids == expected.token_ids
         assert d_out.outputs[0].text == expected.text
         assert prefill.kv_manager.leases  # pinned until the reader says it is done
-        assert released[-1].request_id == rid
+        assert wait_for(lambda: released and released[-1].request_id == rid)
         assert prefill.release_kv(rid)
     result = decode.scheduler.load_results[0]
     assert result.ok and result.num_bytes > 0
@@ -164,14 +173,18 @@ def test_a_loop_waiting_only_for_a_kv_load_sleeps_until_it_finishes(tiny_model_d
 
     prefill = pd_pair[0]
     in_load, finish_load = threading.Event(), threading.Event()
+    transport = make_transport("shm", "dw")
+    read_blocks = transport.read_blocks
 
-    def held(handle):  # the connector's own hook, run on its worker once the blocks are read
+    def held_read(*args, **kwargs):  # a read that lasts until the test lets it go on
         in_load.set()
         finish_load.wait(60)
+        return read_blocks(*args, **kwargs)
 
+    transport.read_blocks = held_read
     decode = CountingEngine.from_engine_args(
         EngineArgs(model=str(tiny_model_dir), kv_cache_memory_bytes=4 << 20),
-        connector=TransportConnector(make_transport("shm", "dw"), held))
+        connector=TransportConnector(transport))
     loop = EngineLoop(decode).start()
     try:
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -196,4 +209,28 @@ def test_a_loop_waiting_only_for_a_kv_load_sleeps_until_it_finishes(tiny_model_d
     finally:
         finish_load.set()
         loop.stop()
+        decode.connector.close()
+
+
+def test_a_decode_does_not_wait_for_the_producer_to_hear_of_its_load(tiny_model_dir, pd_pair):
+    """A decode has its blocks as soon as they are read. Telling the producer (`on_loaded`:
+    the Release call, which a prefill instance answers between its own steps) comes after,
+    and a release that hangs holds nothing up."""
+    prefill = pd_pair[0]
+    releasing, let_go, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def hanging_release(handle):
+        releasing.set()
+        let_go.wait(20)
+        returned.set()
+
+    decode = engine(tiny_model_dir, "dr", TransportConnector(make_transport("shm", "dr"),
+                                                             hanging_release))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        _, d_out, _ = prefill_then_decode(prefill, decode, "h", params)
+        assert len(d_out.outputs[0].token_ids) == 4
+        assert releasing.is_set() and not returned.is_set()  # done while the release hangs
+    finally:
+        let_go.set()
         decode.connector.close()
