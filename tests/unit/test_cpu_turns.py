@@ -1,9 +1,12 @@
 """CPU turns between real processes: one step at a time, fair, and never stuck behind a peer."""
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -110,6 +113,31 @@ def test_a_stuck_holder_delays_a_step_only_max_wait_s(tmp_path):
         time.sleep(0.01)
     assert granted  # turns resumed
     assert turns.turns_taken == 1
+
+
+def test_a_step_gives_the_turn_back_as_it_ends(tmp_path):
+    """A step that waited for its turn (the keeper thread got it) gives it back itself, the
+    moment it ends: the other process need not wait for a thread of this one to wake up, and
+    this process's next step finds it free and takes it at once."""
+    lock = tmp_path / "turns"
+    holder = spawn(HOLDER, lock)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        turns = CpuTurns(str(lock), max_wait_s=60)
+        threading.Timer(0.2, holder.stdin.close).start()  # let go while the step waits
+        with turns.turn() as granted:
+            assert granted
+        with turns.turn() as granted:
+            assert granted
+        assert (turns.turns_taken, turns.turns_waited, turns.turns_missed) == (2, 1, 0)
+        other = os.open(lock, os.O_RDWR)  # another open file: its own flock
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if still held
+        finally:
+            os.close(other)
+    finally:
+        holder.kill()
+        holder.wait(10)
 
 
 def test_bad_settings_name_the_field(tmp_path):
