@@ -138,12 +138,13 @@ _libc.flock.argtypes = (ctypes.c_int, ctypes.c_int)
 
 def _flock_now(fd: int, operation: int) -> bool:
     """flock(fd, operation) without blocking; False if another open file holds the lock."""
-    if _libc.flock(fd, operation | fcntl.LOCK_NB) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err == errno.EWOULDBLOCK:
-        return False
-    raise OSError(err, os.strerror(err))
+    while _libc.flock(fd, operation | fcntl.LOCK_NB) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EWOULDBLOCK:
+            return False
+        if err != errno.EINTR:  # a signal came first: try again, as fcntl.flock does
+            raise OSError(err, os.strerror(err))
+    return True
 
 
 def _open_lock(path: str) -> int:
