@@ -115,6 +115,24 @@ def test_a_stuck_holder_delays_a_step_only_max_wait_s(tmp_path):
     assert turns.turns_taken == 1
 
 
+def let_go_once_queued(lock, holder) -> None:
+    """Close the holder's stdin once a step of this process waits in the queue (its keeper
+    holds `<lock>.next`), so that the step surely gets its turn through the keeper."""
+    probe = os.open(f"{lock}.next", os.O_RDWR)
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                break
+            fcntl.flock(probe, fcntl.LOCK_UN)
+            time.sleep(0.01)
+    finally:
+        os.close(probe)
+        holder.stdin.close()
+
+
 def test_a_step_gives_the_turn_back_as_it_ends(tmp_path):
     """A step that waited for its turn (the keeper thread got it) gives it back itself, the
     moment it ends: the other process need not wait for a thread of this one to wake up, and
@@ -124,7 +142,7 @@ def test_a_step_gives_the_turn_back_as_it_ends(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "holding"
         turns = CpuTurns(str(lock), max_wait_s=60)
-        threading.Timer(0.2, holder.stdin.close).start()  # let go while the step waits
+        threading.Thread(target=let_go_once_queued, args=(lock, holder), daemon=True).start()
         with turns.turn() as granted:
             assert granted
         with turns.turn() as granted:
