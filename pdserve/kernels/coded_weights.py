@@ -66,9 +66,11 @@ def _guesses(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def encode(weight: torch.Tensor) -> CodedWeight | None:
     """A float32 CPU weight (out, in) as 8-bit codes, else as bfloat16, else None (also when
     disabled, or the native kernels are not built or not for x86's AVX2 or AVX-512)."""
-    lib = native.load()
-    if (os.environ.get(DISABLE_ENV, "1") == "0" or lib is None or not lib.linear_coded_supported() or weight.dtype != torch.float32
+    if (os.environ.get(DISABLE_ENV, "1") == "0" or weight.dtype != torch.float32
             or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0):
+        return None
+    lib = native.load()
+    if lib is None or not lib.linear_coded_supported():
         return None
     return _codes(weight, lib) or _bfloat16(weight)
 
