@@ -7,13 +7,16 @@ Two forms, found from the float32 values alone and proved value by value at load
   float32 with those values. Each run of 32 inputs of an output row is then `scale * code +
   offset` with a float16 scale and small integer codes, so about a quarter of the bytes hold
   the same weight. A run is coded only where the kernel's own rebuilding gives every value
-  back bit for bit (csrc/linear_coded.c's `code_runs_f32`).
+  back bit for bit (csrc/linear_coded.c's `code_runs_f32`). Where every code of a weight lies
+  in 0 .. 15 and every scale and offset is a float16 value (GGUF's Q4_1), the codes are held
+  two to a byte and the scales and offsets as float16: half the bytes again, rebuilt to the
+  same values (a scale times a code below 16 is exact in float32, so one rounding either way).
 - **bfloat16.** A bf16 checkpoint (most on the Hugging Face hub) computed in float32, as a CPU
   engine does by default: every value's lower 16 bits are zero, so half the bytes hold it.
 
 A weight in neither form (random float32, say) gets None and keeps the float32 path, as does
 every weight with `PDSERVE_CODED_WEIGHTS=0` (the coded form is kept beside the float32 panels:
-1.25 or 2 bytes per weight more).
+0.63 to 2 bytes per weight more).
 csrc/linear_coded.c's kernel streams these instead of the float32 panels; the layouts here
 match its comment.
 """
@@ -36,11 +39,18 @@ RUN = 32  # inputs per scale and offset
 class CodedWeight:
     """8-bit codes: codes (ceil(out / 32), in, 32) int8 and params (ceil(out / 32), in / 32, 2,
     32) float32, the scales then the offsets of each panel's 32 outputs for each run of 32
-    inputs. bfloat16: codes (ceil(out / 32), in, 32) int16, the values' upper halves, and
-    params None."""
+    inputs. 4-bit codes: codes (ceil(out / 32), in, 16) uint8, byte j holding output j's code
+    in its low half and output j + 16's in its high half, and the same params in float16.
+    bfloat16: codes (ceil(out / 32), in, 32) int16, the values' upper halves, and params
+    None."""
 
     codes: torch.Tensor
     params: torch.Tensor | None
+
+    @property
+    def bits(self) -> int:
+        """The kernel's name for the form: 8, 4 or 16."""
+        return {torch.int8: 8, torch.uint8: 4, torch.int16: 16}[self.codes.dtype]
 
 
 def _half(x: torch.Tensor) -> list[torch.Tensor]:
@@ -96,8 +106,22 @@ def _codes(weight: torch.Tensor, lib) -> CodedWeight | None:
                                torch.get_num_threads())
     if failed:
         return None
-    return CodedWeight(codes=pack_panels(codes.view(out_features, in_features)),
-                       params=_run_params(scales, offsets, out_features, in_features))
+    coded = CodedWeight(codes=pack_panels(codes.view(out_features, in_features)),
+                        params=_run_params(scales, offsets, out_features, in_features))
+    return _nibbles(coded, lib) or coded
+
+
+def _nibbles(coded: CodedWeight, lib) -> CodedWeight | None:
+    """The 4-bit form of 8-bit codes, where every code is in 0 .. 15, every param a float16
+    value (bit for bit, the sign of a zero too) and the kernel takes it."""
+    params16 = coded.params.half()
+    exact = torch.equal(params16.float().view(torch.int32), coded.params.view(torch.int32))
+    if (not (lib.linear_coded_supported() & 2) or not exact or coded.codes.min() < 0
+            or coded.codes.max() > 15):
+        return None
+    codes = coded.codes.view(torch.uint8)  # (P, in, 32)
+    return CodedWeight(codes=(codes[..., :16] | (codes[..., 16:] << 4)).contiguous(),
+                       params=params16.contiguous())
 
 
 def _run_params(scales: torch.Tensor, offsets: torch.Tensor, out_features: int,
@@ -117,7 +141,10 @@ def rebuild(coded: CodedWeight, out_features: int) -> torch.Tensor:
     if coded.params is None:
         bits = coded.codes.to(torch.int32).bitwise_left_shift(16)
         return bits.view(torch.float32).transpose(1, 2).reshape(-1, in_features)[:out_features]
-    codes = coded.codes.float().transpose(1, 2).reshape(num_panels * PANEL, in_features)
-    params = coded.params.permute(2, 0, 3, 1).reshape(2, num_panels * PANEL, -1)
+    codes = coded.codes
+    if coded.bits == 4:  # low halves: outputs 0-15 of a panel, high halves: 16-31
+        codes = torch.cat([codes & 15, codes >> 4], dim=2)
+    codes = codes.float().transpose(1, 2).reshape(num_panels * PANEL, in_features)
+    params = coded.params.float().permute(2, 0, 3, 1).reshape(2, num_panels * PANEL, -1)
     scale, offset = (p.repeat_interleave(RUN, dim=1) for p in params)
     return (scale * codes + offset)[:out_features]

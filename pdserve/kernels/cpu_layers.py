@@ -37,7 +37,8 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down",
-        *(f"{p}_codes" for p in _PROJECTIONS), *(f"{p}_params" for p in _PROJECTIONS))]
+        *(f"{p}_codes" for p in _PROJECTIONS), *(f"{p}_params" for p in _PROJECTIONS))] + [
+        (f"{p}_bits", _i64) for p in _PROJECTIONS]
 
 
 class _StepBatch(ctypes.Structure):
@@ -105,6 +106,8 @@ class NativeLayers:
                        *(p.code_params for p in projections))
             for (name, _), t in zip(_LayerWeights._fields_, tensors):
                 setattr(w, name, None if t is None else t.data_ptr())
+            for name, p in zip(_PROJECTIONS, projections):
+                setattr(w, f"{name}_bits", p.code_bits)
             self._keep.extend(t for t in tensors if t is not None)
 
     @classmethod

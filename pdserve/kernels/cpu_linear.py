@@ -8,15 +8,15 @@ layouts serve instead (benchmarks/linear_cpu.py has the numbers):
   `csrc/linear.c`. A decode step streams each weight once at memory speed (on SmolLM2's
   shapes 1.2x oneDNN from 4 to 64 rows, 2.3x MKL at 1 row), prefill batches run level with
   oneDNN, and a row's result does not depend on the other rows of the batch. Where the weight
-  is exactly 8-bit codes times a scale plus an offset per 32 inputs (a GGUF Q4/Q8 checkpoint)
-  or bfloat16 values (a bf16 checkpoint), `coded_weights.py` keeps that form too, and steps of
-  up to CODED_MAX_ROWS rows stream it instead (`csrc/linear_coded.c`: the same results bit
-  for bit in a quarter or half the bytes).
+  is exactly 8-bit (or 4-bit) codes times a scale plus an offset per 32 inputs (a GGUF Q4/Q8
+  checkpoint) or bfloat16 values (a bf16 checkpoint), `coded_weights.py` keeps that form too,
+  and steps of up to CODED_MAX_ROWS rows stream it instead (`csrc/linear_coded.c`: the same
+  results bit for bit in a third, a sixth or half the bytes).
 - **onednn**: oneDNN's blocked layout, 20-35% faster than F.linear from 4 to a few dozen rows,
   with MKL's matrix-vector path on the plain weight below 4 rows.
 
 Either way the layer keeps the plain weight too (shared with the model, e.g. a tied embedding),
-so its weights take twice their memory (and 1.25 or 2 bytes per weight more where coded).
+so its weights take twice their memory (and 0.63 to 2 bytes per weight more where coded).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class PackedLinear(nn.Module):
                              persistent=False)
         self.register_buffer("code_params", None if coded is None else coded.params,
                              persistent=False)
+        self.code_bits = 0 if coded is None else coded.bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "panels":
@@ -97,7 +98,7 @@ class PackedLinear(nn.Module):
             native.load().linear_coded_f32(
                 x.data_ptr(), x.stride(0), x.shape[0], self.codes.data_ptr(),
                 None if self.code_params is None else self.code_params.data_ptr(),
-                self.out_features, self.in_features, bias, out.data_ptr(), out.stride(0),
+                self.code_bits, self.out_features, self.in_features, bias, out.data_ptr(), out.stride(0),
                 torch.get_num_threads())
             return out
         native.load().linear_f32(x.data_ptr(), x.stride(0), x.shape[0],

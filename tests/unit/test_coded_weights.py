@@ -1,8 +1,8 @@
 """Coded weights (kernels/coded_weights.py, csrc/linear_coded.c): a float32 weight dequantized
-from GGUF's Q4_0, Q4_1 or Q8_0 blocks is proved to be 8-bit codes times a scale plus an offset,
-one with bfloat16 values is held as bfloat16, both rebuilt bit for bit, and the coded kernel
-gives linear_f32's results bit for bit (and F.linear's within float32 rounding); any other
-weight keeps the float32 path."""
+from GGUF's Q4_0, Q4_1 or Q8_0 blocks is proved to be 8-bit codes times a scale plus an offset
+(Q4_1's then held two codes a byte), one with bfloat16 values is held as bfloat16, all rebuilt
+bit for bit, and the coded kernel gives linear_f32's results bit for bit (and F.linear's within
+float32 rounding); any other weight keeps the float32 path."""
 
 import numpy as np
 import pytest
@@ -35,9 +35,15 @@ def test_gguf_blocks_are_coded_and_rebuilt_bit_for_bit(qtype):
     w = gguf_weight((100, 192), qtype)
     coded = encode(w)
     assert coded is not None
-    assert coded.codes.shape == (4, 192, 32) and coded.params.shape == (4, 6, 2, 32)
+    # Q4_1's codes are 0 .. 15 under float16 scales and offsets: two codes a byte. Q4_0's
+    # run from -8 and Q8_0's from -127: a byte each, float32 params.
+    nibbles = qtype == Q.Q4_1
+    assert coded.bits == (4 if nibbles else 8)
+    assert coded.codes.shape == (4, 192, 16 if nibbles else 32)
+    assert coded.params.shape == (4, 6, 2, 32)
+    assert coded.params.dtype == (torch.float16 if nibbles else torch.float32)
     assert torch.equal(bits(rebuild(coded, 100)), bits(w))
-    assert not coded.codes[3, :, 4:].any()  # outputs past 100: zero codes
+    assert not coded.codes[3, :, 4:16].any()  # outputs past 100: zero codes
 
 
 def test_bfloat16_values_are_held_as_bfloat16():
@@ -65,7 +71,7 @@ def test_other_weights_are_not_coded(case):
     assert PackedLinear(w).codes is None
 
 
-@pytest.mark.parametrize("form", [Q.Q4_1, Q.Q8_0, "bfloat16"])
+@pytest.mark.parametrize("form", [Q.Q4_0, Q.Q4_1, Q.Q8_0, "bfloat16"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_coded_kernel_equals_the_float32_panels_bit_for_bit(form, bias):
     torch.manual_seed(0)

@@ -109,6 +109,8 @@ def test_coded_weights_give_the_float32_panels_results_bit_for_bit():
     layers = model.native_layers
     assert all(w.qkv_codes and w.o_codes and w.gate_up_codes and w.down_codes
                for w in layers.weights)
+    assert all(w.qkv_bits == w.o_bits == w.gate_up_bits == w.down_bits == 4  # Q4_1: nibbles
+               for w in layers.weights)
     ids, positions, cache, meta = mixed_step(a)
     assert len(ids) <= layers.shape.coded_max_rows
     coded_cache, panels_cache = cache.clone(), cache.clone()

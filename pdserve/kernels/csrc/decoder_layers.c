@@ -37,11 +37,11 @@ static void write_kv(const float *qkv, int64_t qkv_stride, int64_t T, const int6
 /* out = x W^T (+ b) on the coded weight for a step's few rows, else on the float32 panels:
  * the same results either way (linear_coded.c). */
 static void project(const float *x, int64_t T, const float *panels, const void *codes,
-                    const float *params, int64_t n, int64_t k, const float *bias, float *out,
-                    int64_t coded_max_rows, int num_threads)
+                    const void *params, int64_t bits, int64_t n, int64_t k, const float *bias,
+                    float *out, int64_t coded_max_rows, int num_threads)
 {
     if (codes && T <= coded_max_rows)
-        linear_coded_f32(x, k, T, codes, params, n, k, bias, out, n, num_threads);
+        linear_coded_f32(x, k, T, codes, params, (int)bits, n, k, bias, out, n, num_threads);
     else
         linear_f32(x, k, T, panels, n, k, bias, out, n, num_threads);
 }
@@ -76,8 +76,8 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
         const layer_weights *w = layers + l;
         float *kc = kv + 2 * l * cache, *vc = kc + cache;
         rms_norm_f32(x, H, w->input_norm, normed, H, T, H, s->eps, num_threads);
-        project(normed, T, w->qkv, w->qkv_codes, w->qkv_params, Q, H, w->qkv_bias, qkv, coded,
-                num_threads);
+        project(normed, T, w->qkv, w->qkv_codes, w->qkv_params, w->qkv_bits, Q, H, w->qkv_bias,
+                qkv, coded, num_threads);
         rotary_f32(qkv, Q, T, h + kvh, d, cos, sin, num_threads);
         write_kv(qkv, Q, T, b->slots, h * d, kv_width, kc, vc);
         if (b->num_decodes) {
@@ -99,13 +99,14 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
             else if (r < 0) code = DL_BAD_PREFILL;
         }
         if (code) break;
-        project(attn, T, w->o, w->o_codes, w->o_params, H, h * d, NULL, tmp, coded, num_threads);
-        add_rms_norm_f32(x, H, tmp, H, w->post_norm, normed, H, T, H, s->eps, num_threads);
-        project(normed, T, w->gate_up, w->gate_up_codes, w->gate_up_params, 2 * I, H, NULL, gu,
-                coded, num_threads);
-        silu_mul_f32(gu, 2 * I, act, I, T, I, num_threads);
-        project(act, T, w->down, w->down_codes, w->down_params, H, I, NULL, tmp, coded,
+        project(attn, T, w->o, w->o_codes, w->o_params, w->o_bits, H, h * d, NULL, tmp, coded,
                 num_threads);
+        add_rms_norm_f32(x, H, tmp, H, w->post_norm, normed, H, T, H, s->eps, num_threads);
+        project(normed, T, w->gate_up, w->gate_up_codes, w->gate_up_params, w->gate_up_bits, 2 * I,
+                H, NULL, gu, coded, num_threads);
+        silu_mul_f32(gu, 2 * I, act, I, T, I, num_threads);
+        project(act, T, w->down, w->down_codes, w->down_params, w->down_bits, H, I, NULL, tmp,
+                coded, num_threads);
         add_in_place(x, tmp, T * H, num_threads);
     }
     free(normed); free(qkv); free(attn); free(tmp); free(gu); free(act);

@@ -14,10 +14,11 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;  /* (hidden,) */
     const float *qkv, *qkv_bias, *o, *gate_up, *down;
-    /* the same projections as linear_coded.c's codes and params: codes NULL where a weight
-     * is not so held, params NULL where its codes are bfloat16 values */
+    /* the same projections as linear_coded.c's codes, params and code bits: codes NULL where
+     * a weight is not so held, params NULL where its codes are bfloat16 values */
     const void *qkv_codes, *o_codes, *gate_up_codes, *down_codes;
-    const float *qkv_params, *o_params, *gate_up_params, *down_params;
+    const void *qkv_params, *o_params, *gate_up_params, *down_params;
+    int64_t qkv_bits, o_bits, gate_up_bits, down_bits;
 } layer_weights;
 
 /* One step's attention batch (attention.py's AttentionMetadata), int64 throughout. */

@@ -21,8 +21,8 @@ void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *pan
                 int64_t k, const float *bias, float *out, int64_t out_stride, int num_threads);
 int linear_coded_supported(void);
 void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void *codes,
-                      const float *params, int64_t n, int64_t k, const float *bias, float *out,
-                      int64_t out_stride, int num_threads);
+                      const void *params, int code_bits, int64_t n, int64_t k,
+                      const float *bias, float *out, int64_t out_stride, int num_threads);
 int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
                       const float *guess_offsets, int64_t num_guesses, int8_t *codes,
                       float *scales, float *offsets, int num_threads);
