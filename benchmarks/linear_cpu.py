@@ -6,9 +6,10 @@ default: 30 layers of qkv, o, gate_up and down, plus the tied LM head, quantized
 the head to Q8_0 and back to float32, as the bundled GGUF is) at several row counts,
 alternating the implementations, and prints JSON with milliseconds per pass and the ratios
 oneDNN / panels, F.linear / panels and panels / coded (above 1: the latter is faster).
-`coded` is PackedLinear as the engine runs it: coded weights up to CODED_MAX_ROWS rows, the
-panels above; `bf16` the same on those weights rounded to bfloat16 (as a bf16 checkpoint
-computed in float32 is held).
+`coded` is PackedLinear as the engine runs it: coded weights up to CODED_MAX_ROWS rows (the
+Q4_1 projections two codes a byte), the panels above; `coded8` the same with a byte per code
+and float32 scales and offsets (the form before the 4-bit one); `bf16` the same on those
+weights rounded to bfloat16 (as a bf16 checkpoint computed in float32 is held).
 
     python benchmarks/linear_cpu.py [--rows 1 8 64 2048] [--repeats 5]
 """
@@ -57,6 +58,16 @@ def float32_panels(w: torch.Tensor) -> PackedLinear:
     return layer
 
 
+def byte_codes(w: torch.Tensor) -> PackedLinear:
+    """PackedLinear with its 4-bit codes (if any) held a byte each, float32 params."""
+    layer = PackedLinear(w, layout="panels")
+    if layer.code_bits == 4:
+        c = layer.codes
+        layer.codes = torch.cat([c & 15, c >> 4], dim=2).to(torch.int8)
+        layer.code_params, layer.code_bits = layer.code_params.float(), 8
+    return layer
+
+
 def time_pass(fns: list, inputs: dict[int, torch.Tensor]) -> float:
     start = time.perf_counter()
     for in_features, fn in fns:
@@ -76,6 +87,7 @@ def main(argv=None) -> int:
              "onednn": [(w.shape[1], PackedLinear(w, layout="onednn")) for w in ws],
              "panels": [(w.shape[1], float32_panels(w)) for w in ws],
              "coded": [(w.shape[1], PackedLinear(w, layout="panels")) for w in ws],
+             "coded8": [(w.shape[1], byte_codes(w)) for w in ws],
              "bf16": [(w.shape[1], PackedLinear(w.bfloat16().float(), layout="panels"))
                       for w in ws]}
     assert all(layer.codes is not None for _, layer in impls["coded"] + impls["bf16"])
@@ -92,6 +104,7 @@ def main(argv=None) -> int:
                             "onednn_over_panels": round(ms["onednn"] / ms["panels"], 3),
                             "f_linear_over_panels": round(ms["f_linear"] / ms["panels"], 3),
                             "panels_over_coded": round(ms["panels"] / ms["coded"], 3),
+                            "coded8_over_coded": round(ms["coded8"] / ms["coded"], 3),
                             "panels_over_bf16": round(ms["panels"] / ms["bf16"], 3)})
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"command": " ".join(["python benchmarks/linear_cpu.py", *(
