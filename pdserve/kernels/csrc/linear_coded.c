@@ -38,6 +38,17 @@
 
 typedef int8_t c16 __attribute__((vector_size(16)));
 
+#if defined(__AVX2__)
+/* Two AVX2 halves as one v16 (AVX-512 has the whole width in one register). */
+static inline v16 join(__m256 lo, __m256 hi)
+{
+    v16 c;
+    memcpy(&c, &lo, sizeof lo);
+    memcpy((char *)&c + sizeof lo, &hi, sizeof hi);
+    return c;
+}
+#endif
+
 /* Widen and convert 16 codes with the vector instructions (vpmovsxbd + vcvtdq2ps): GCC's
  * vector extensions would go through scalars. Elsewhere the kernel is not offered. */
 static inline v16 decode16(const int8_t *codes, v16 scale, v16 offset)
@@ -46,12 +57,9 @@ static inline v16 decode16(const int8_t *codes, v16 scale, v16 offset)
 #if defined(__AVX512F__)
     c = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
 #elif defined(__AVX2__)
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-        _mm_loadl_epi64((const __m128i *)codes)));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-        _mm_loadl_epi64((const __m128i *)(codes + 8))));
-    memcpy(&c, &lo, sizeof lo);
-    memcpy((char *)&c + sizeof lo, &hi, sizeof hi);
+    c = join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes))),
+             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                 _mm_loadl_epi64((const __m128i *)(codes + 8)))));
 #else
     c16 bytes;
     memcpy(&bytes, codes, sizeof bytes);
@@ -74,14 +82,10 @@ static inline void decode_nibbles(const uint8_t *codes, v16 s0, v16 o0, v16 s1, 
     const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
     const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8)));
     const __m256i mask = _mm256_set1_epi32(15);
-    const __m256 l0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
-    const __m256 l1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
-    const __m256 h0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-    const __m256 h1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-    memcpy(&lo, &l0, sizeof l0);
-    memcpy((char *)&lo + sizeof l0, &l1, sizeof l1);
-    memcpy(&hi, &h0, sizeof h0);
-    memcpy((char *)&hi + sizeof h0, &h1, sizeof h1);
+    lo = join(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)),
+              _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)));
+    hi = join(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+              _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)));
 #else
     for (int j = 0; j < 16; j++) {
         lo[j] = (float)(codes[j] & 15);
@@ -98,12 +102,8 @@ static inline v16 widen_f16(const uint16_t *h)
 #if defined(__AVX512F__)
     return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 #elif defined(__AVX2__) && defined(__F16C__)
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)));
-    v16 c;
-    memcpy(&c, &lo, sizeof lo);
-    memcpy((char *)&c + sizeof lo, &hi, sizeof hi);
-    return c;
+    return join(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
 #else
     v16 c;
     for (int j = 0; j < 16; j++) {  /* the magnitude from exponent and fraction, then the sign */
@@ -128,10 +128,7 @@ static inline v16 widen_bf16(const uint16_t *h)
         _mm_loadu_si128((const __m128i *)h)), 16);
     const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(
         _mm_loadu_si128((const __m128i *)(h + 8))), 16);
-    v16 c;
-    memcpy(&c, &lo, sizeof lo);
-    memcpy((char *)&c + sizeof lo, &hi, sizeof hi);
-    return c;
+    return join(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi));
 #else
     i16 c;
     for (int j = 0; j < 16; j++) c[j] = (int32_t)h[j] << 16;
