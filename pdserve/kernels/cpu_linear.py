@@ -99,8 +99,8 @@ class PackedLinear(nn.Module):
             native.load().linear_coded_f32(
                 x.data_ptr(), x.stride(0), x.shape[0], self.codes.data_ptr(),
                 None if self.code_params is None else self.code_params.data_ptr(),
-                self.code_bits, self.out_features, self.in_features, bias, out.data_ptr(), out.stride(0),
-                torch.get_num_threads())
+                self.code_bits, self.out_features, self.in_features, bias, out.data_ptr(),
+                out.stride(0), torch.get_num_threads())
             return out
         native.load().linear_f32(x.data_ptr(), x.stride(0), x.shape[0],
                                  self.packed_weight.data_ptr(), self.out_features,
