@@ -1,0 +1,83 @@
+"""The linear kernels built for CPUs other than this one (csrc/linear.c, linear_coded.c).
+
+The library is compiled with -march=native, so a test run exercises only this machine's
+vector path. Here the two linear kernels are also compiled for AVX2 with F16C (haswell) and
+for plain x86-64 (the scalar fallbacks), run on this CPU, and every coded form must give that
+build's float32 panels' results bit for bit.
+"""
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from test_coded_weights import gguf_weight
+
+from pdserve.kernels import native
+from pdserve.kernels.coded_weights import encode
+from pdserve.kernels.cpu_linear import pack_panels
+
+CSRC = Path(native.__file__).parent / "csrc"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty off Linux or off x86)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines
+                 if line.startswith("flags")), set())
+
+
+CPU_FLAGS = cpu_flags()
+# target -> (CPU flags it needs to run here, what linear_coded_supported says of it)
+TARGETS = {"haswell": ({"avx2", "fma", "f16c"}, 3), "x86-64": (set(), 0)}
+
+pytestmark = pytest.mark.skipif(native.load() is None or not CPU_FLAGS,
+                                reason="native kernels not built, or not an x86 Linux CPU")
+
+
+def build(target: str, out_dir: Path) -> ctypes.CDLL:
+    flags = [f for f in native.FLAGS if f != "-march=native"]
+    out = out_dir / f"linear-{target}.so"
+    subprocess.run([native._compiler(), *flags, f"-march={target}", "-Wno-psabi",
+                    str(CSRC / "linear.c"), str(CSRC / "linear_coded.c"), "-o", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_every_coded_form_equals_the_panels_on_other_targets(target, tmp_path):
+    needs, supported = TARGETS[target]
+    if not needs <= CPU_FLAGS:
+        pytest.skip(f"this CPU cannot run {target} code")
+    lib = build(target, tmp_path)
+    assert lib.linear_coded_supported() == supported
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    torch.manual_seed(0)
+    weights = {4: gguf_weight((100, 256), Q.Q4_1, seed=1),
+               8: gguf_weight((100, 256), Q.Q8_0, seed=2),
+               16: (torch.randn(100, 256) * 0.05).bfloat16().float()}
+    for bits, w in weights.items():
+        coded = encode(w)  # the layouts do not depend on the target
+        assert coded is not None and coded.bits == bits
+        panels = pack_panels(w)
+        for rows in (1, 3, 10, 17, 32):
+            x = torch.randn(rows, 256)
+            coded_out, panels_out = torch.empty(rows, 100), torch.empty(rows, 100)
+            lib.linear_coded_f32(
+                ptr(x.data_ptr()), i64(256), i64(rows), ptr(coded.codes.data_ptr()),
+                None if coded.params is None else ptr(coded.params.data_ptr()),
+                ctypes.c_int(bits), i64(100), i64(256), None, ptr(coded_out.data_ptr()),
+                i64(100), ctypes.c_int(2))
+            lib.linear_f32(ptr(x.data_ptr()), i64(256), i64(rows), ptr(panels.data_ptr()),
+                           i64(100), i64(256), None, ptr(panels_out.data_ptr()), i64(100),
+                           ctypes.c_int(2))
+            assert torch.equal(coded_out.view(torch.int32), panels_out.view(torch.int32)), (
+                bits, rows)
+            torch.testing.assert_close(coded_out.double(), F.linear(x.double(), w.double()),
+                                       rtol=1e-5, atol=1e-5)
