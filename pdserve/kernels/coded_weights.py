@@ -74,8 +74,9 @@ def _guesses(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def encode(weight: torch.Tensor) -> CodedWeight | None:
-    """A float32 CPU weight (out, in) as 8-bit codes, else as bfloat16, else None (also when
-    disabled, or the native kernels are not built or not for x86's AVX2 or AVX-512)."""
+    """A float32 CPU weight (out, in) as 4-bit codes, else 8-bit codes, else bfloat16, else
+    None (also when disabled, or the native kernels are not built or not for x86's AVX2 or
+    AVX-512)."""
     if (os.environ.get(DISABLE_ENV, "1") == "0" or weight.dtype != torch.float32
             or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0):
         return None
