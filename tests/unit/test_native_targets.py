@@ -1,9 +1,10 @@
-"""The linear kernels built for CPUs other than this one (csrc/linear.c, linear_coded.c).
+"""Native kernels built for CPUs other than this one (csrc/linear.c, linear_coded.c,
+paged_decode.c).
 
 The library is compiled with -march=native, so a test run exercises only this machine's
-vector path. Here the two linear kernels are also compiled for AVX2 with F16C (haswell) and
-for plain x86-64 (the scalar fallbacks), run on this CPU, and every coded form must give that
-build's float32 panels' results bit for bit.
+vector path. Here the kernels are also compiled for AVX2 with F16C (haswell) and for plain
+x86-64 (the scalar fallbacks) and run on this CPU: every coded form must give that build's
+float32 panels' results bit for bit, and decode attention must match a float64 reference.
 """
 
 import ctypes
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from test_coded_weights import gguf_weight
+from test_cpu_decode import paged, reference
 
 from pdserve.kernels import native
 from pdserve.kernels.coded_weights import encode
@@ -41,11 +43,11 @@ pytestmark = pytest.mark.skipif(native.load() is None or not CPU_FLAGS,
                                 reason="native kernels not built, or not an x86 Linux CPU")
 
 
-def build(target: str, out_dir: Path) -> ctypes.CDLL:
+def build(target: str, out_dir: Path, sources=("linear.c", "linear_coded.c")) -> ctypes.CDLL:
     flags = [f for f in native.FLAGS if f != "-march=native"]
-    out = out_dir / f"linear-{target}.so"
+    out = out_dir / f"{Path(sources[0]).stem}-{target}.so"
     subprocess.run([native._compiler(), *flags, f"-march={target}", "-Wno-psabi",
-                    str(CSRC / "linear.c"), str(CSRC / "linear_coded.c"), "-o", str(out)],
+                    *(str(CSRC / s) for s in sources), "-o", str(out)],
                    check=True, capture_output=True, timeout=300)
     return ctypes.CDLL(str(out))
 
@@ -81,3 +83,26 @@ def test_every_coded_form_equals_the_panels_on_other_targets(target, tmp_path):
                 bits, rows)
             torch.testing.assert_close(coded_out.double(), F.linear(x.double(), w.double()),
                                        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_decode_attention_on_other_targets(target, tmp_path):
+    needs, _ = TARGETS[target]
+    if not needs <= CPU_FLAGS:
+        pytest.skip(f"this CPU cannot run {target} code")
+    lib = build(target, tmp_path, ("paged_decode.c",))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lens = [1, 16, 17, 47, 130]  # shorter than the blocks fetched ahead, and longer
+    for h, kvh, d in [(9, 3, 64), (14, 2, 64), (8, 2, 128)]:  # query heads grouped 3, 4 + 3, 2
+        k_cache, v_cache, tables = paged(lens, h, kvh, d, 16, seed=h)
+        q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(d))
+        out = torch.empty_like(q)
+        lengths, rows = torch.tensor(lens), torch.arange(len(lens))
+        code = lib.paged_decode_f32(
+            ptr(q.data_ptr()), i64(h * d), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()),
+            i64(k_cache.shape[0]), i64(16), i64(kvh), i64(d), ptr(tables.data_ptr()),
+            i64(tables.shape[1]), ptr(lengths.data_ptr()), ptr(rows.data_ptr()), i64(len(lens)),
+            i64(h), ctypes.c_float(d ** -0.5), ptr(out.data_ptr()), ctypes.c_int(2))
+        assert code == 0
+        want = reference(q, k_cache, v_cache, tables, lens, d ** -0.5)
+        torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)

@@ -54,53 +54,97 @@ static inline const float *block_rows(const float *cache, const int64_t *table, 
     return cache + table[t0 / bs] * bs * row_stride;
 }
 
-/* While row o of a block is worked on, ask for row o of the next block (blocks lie anywhere in
- * the cache, where the hardware prefetcher does not follow; one row at a time keeps the
- * requests spread out rather than queued at the block's start). */
-#define PREFETCH_ROW(next, o, row_stride, C)                                                 \
-    for (int c = 0; c < (C); c++) __builtin_prefetch((next) + (o) * (row_stride) + 16 * c)
+/* Blocks lie anywhere in the cache, where the hardware prefetcher does not follow them, so a
+ * walk asks for the blocks ahead itself, into L2: while row o of a block is worked on, row o
+ * of the block AHEAD_BLOCKS on (one row at a time keeps the requests spread out rather than
+ * queued at a block's start), and the blocks in between all at once when the walk begins.
+ * Asking for the next block only, into L1, left the reads at half the memory's streaming rate
+ * (benchmarks/results/decode_attention.md). */
+#define AHEAD_BLOCKS 3
+#define PREFETCH_ROW(ahead, o, row_stride, C)                                                \
+    for (int c = 0; c < (C); c++)                                                            \
+        __builtin_prefetch((ahead) + (o) * (row_stride) + 16 * c, 0, 2)
 
-/* One (sequence, KV head): q (G, D) -> out (G, D); scores: G * L floats of scratch. */
+/* The rows of the block AHEAD_BLOCKS after the one holding token t0, or NULL past the end. */
+static inline const float *block_ahead(const float *cache, const int64_t *table, int64_t t0,
+                                       int64_t L, int64_t bs, int64_t row_stride)
+{
+    const int64_t t = t0 + AHEAD_BLOCKS * bs;
+    return t < L ? block_rows(cache, table, t, bs, row_stride) : NULL;
+}
+
+/* The first rows a walk reads after its first block: blocks 1 .. AHEAD_BLOCKS - 1. */
+static void prefetch_walk_start(const float *cache, const int64_t *table, int64_t L,
+                                int64_t bs, int64_t row_stride, int C)
+{
+    for (int64_t t0 = bs; t0 < L && t0 < AHEAD_BLOCKS * bs; t0 += bs) {
+        const float *rows = block_rows(cache, table, t0, bs, row_stride);
+        for (int64_t o = 0; o < bs && t0 + o < L; o++) PREFETCH_ROW(rows, o, row_stride, C);
+    }
+}
+
+/* One (sequence, KV head): q (G, D) -> out (G, D); scores: G * L floats of scratch. The query
+ * heads go in groups of S = 256 / D (4 heads of 64, 2 of 128: their queries, or their sums,
+ * fill 16 registers), and each group walks the keys, then the values, once: a row read from
+ * memory serves all the group's heads at once, where one head at a time put passes over
+ * cached rows between the reads. Each head's sums still run over the keys in order: the
+ * results are the same, bit for bit. */
 #define DEFINE_ATTEND(D)                                                                    \
 static void attend_##D(const float *q, const float *kc, const float *vc,                     \
                        const int64_t *table, int64_t L, int64_t G, int64_t row_stride,       \
                        int64_t bs, float scale, float *scores, float *out)                   \
 {                                                                                            \
-    enum { C = D / 16 };                                                                     \
-    for (int64_t j = 0; j < G; j++) {                                                        \
-        v16 qj[C];                                                                           \
-        for (int c = 0; c < C; c++) qj[c] = load16(q + j * D + 16 * c) * SPLAT(scale);      \
-        float *s = scores + j * L;                                                           \
+    enum { C = D / 16, S = 256 / D };                                                        \
+    for (int64_t j0 = 0; j0 < G; j0 += S) {                                                  \
+        const int n_heads = G - j0 < S ? (int)(G - j0) : S;                                  \
+        v16 qj[S][C];                                                                        \
+        for (int j = 0; j < S; j++)                                                          \
+            for (int c = 0; c < C; c++)                                                      \
+                qj[j][c] = j < n_heads ? load16(q + (j0 + j) * D + 16 * c) * SPLAT(scale)   \
+                                       : SPLAT(0.f);                                         \
+        float *s = scores + j0 * L;                                                          \
+        prefetch_walk_start(kc, table, L, bs, row_stride, C);                                \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
             const float *kb = block_rows(kc, table, t0, bs, row_stride);                     \
-            const float *kn = t0 + bs < L ? block_rows(kc, table, t0 + bs, bs, row_stride) : kb; \
+            const float *ka = block_ahead(kc, table, t0, L, bs, row_stride);                 \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
             for (int64_t o = 0; o < n; o++) {                                                \
-                PREFETCH_ROW(kn, o, row_stride, C);                                          \
+                if (ka) PREFETCH_ROW(ka, o, row_stride, C);                                  \
                 const float *k = kb + o * row_stride;                                        \
-                v16 acc = qj[0] * load16(k);                                                 \
-                for (int c = 1; c < C; c++) acc += qj[c] * load16(k + 16 * c);               \
-                s[t0 + o] = hsum(acc);                                                       \
+                v16 kr[C];                                                                   \
+                for (int c = 0; c < C; c++) kr[c] = load16(k + 16 * c);                      \
+                for (int j = 0; j < n_heads; j++) {                                          \
+                    v16 acc = qj[j][0] * kr[0];                                              \
+                    for (int c = 1; c < C; c++) acc += qj[j][c] * kr[c];                     \
+                    s[j * L + t0 + o] = hsum(acc);                                           \
+                }                                                                            \
             }                                                                                \
         }                                                                                    \
-    }                                                                                        \
-    for (int64_t j = 0; j < G; j++) {                                                        \
-        const float *s = scores + j * L;                                                     \
-        const float inv = softmax_row(scores + j * L, L);                                    \
-        v16 acc[C];                                                                          \
-        for (int c = 0; c < C; c++) acc[c] = SPLAT(0.f);                                     \
+        float inv[S];                                                                        \
+        v16 acc[S][C];                                                                       \
+        for (int j = 0; j < S; j++) {                                                        \
+            inv[j] = j < n_heads ? softmax_row(s + j * L, L) : 0.f;                          \
+            for (int c = 0; c < C; c++) acc[j][c] = SPLAT(0.f);                              \
+        }                                                                                    \
+        prefetch_walk_start(vc, table, L, bs, row_stride, C);                                \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
             const float *vb = block_rows(vc, table, t0, bs, row_stride);                     \
-            const float *vn = t0 + bs < L ? block_rows(vc, table, t0 + bs, bs, row_stride) : vb; \
+            const float *va = block_ahead(vc, table, t0, L, bs, row_stride);                 \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
             for (int64_t o = 0; o < n; o++) {                                                \
-                PREFETCH_ROW(vn, o, row_stride, C);                                          \
-                const v16 p = SPLAT(s[t0 + o]);                                              \
+                if (va) PREFETCH_ROW(va, o, row_stride, C);                                  \
                 const float *v = vb + o * row_stride;                                        \
-                for (int c = 0; c < C; c++) acc[c] += p * load16(v + 16 * c);                \
+                v16 vr[C];                                                                   \
+                for (int c = 0; c < C; c++) vr[c] = load16(v + 16 * c);                      \
+                for (int j = 0; j < n_heads; j++) {                                          \
+                    const v16 p = SPLAT(s[j * L + t0 + o]);                                  \
+                    for (int c = 0; c < C; c++) acc[j][c] += p * vr[c];                      \
+                }                                                                            \
             }                                                                                \
         }                                                                                    \
-        for (int c = 0; c < C; c++) store16(out + j * D + 16 * c, acc[c] * SPLAT(inv));     \
+        for (int j = 0; j < n_heads; j++)                                                    \
+            for (int c = 0; c < C; c++)                                                      \
+                store16(out + (j0 + j) * D + 16 * c, acc[j][c] * SPLAT(inv[j]));            \
     }                                                                                        \
 }
 
