@@ -54,5 +54,13 @@ def test_engine_thread_keeps_spinning_beside_another_pool(tiny_model_dir):
         # Other jobs preempt the compute threads: long waits, which outlast either spin, then
         # dominate both counts, and the comparison says nothing.
         pytest.skip("the machine is too busy to count barrier sleeps")
-    active, unset = _switches(tiny_model_dir, "active"), _switches(tiny_model_dir, "unset")
-    assert active * 3 < unset, (active, unset)  # about 400 against 3,400 on 2 cores
+    # Another tenant of the host preempting a compute thread only adds switches, to either
+    # count, and the load average here does not see it: the policy must show in one of three
+    # rounds (about 400 against 3,400 on 2 cores); without it the counts are level in all.
+    rounds = []
+    for _ in range(3):
+        rounds.append((_switches(tiny_model_dir, "active"), _switches(tiny_model_dir, "unset")))
+        active, unset = rounds[-1]
+        if active * 3 < unset:
+            return
+    pytest.fail(f"(active, unset) switches in each round: {rounds}")
