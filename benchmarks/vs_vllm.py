@@ -7,8 +7,8 @@ serving and decode-heavy workloads, their ratios, and a plot.
 - Weights: the bundled SmolLM2-135M (GGUF) dequantized to float32 and saved once as a Hugging
   Face directory (`--hf-dir`), which both systems load (vLLM's CPU build reads no GGUF).
 - Offline, decode-heavy and cold prefill: `offline_worker.py` in each system's own Python,
-  the same script and `LLM.generate` call (pdserve, vLLM, then again pdserve, vLLM:
-  `--rounds`; `--workloads` picks which); tokens per second and per CPU-second; for cold
+  the same script and `LLM.generate` call (pdserve then vLLM, then vLLM then pdserve, and so
+  on: `--rounds`; `--workloads` picks which); tokens per second and per CPU-second; for cold
   prefill, seconds per 2,000-token prompt.
 - Decode ceiling: the time of one decode step's matrix products at 64 rows (every layer's
   projections and the LM head, float32, torch's GEMM) gives the matmul-bound tokens/s.
@@ -167,9 +167,12 @@ def main() -> None:
                     "load_before": os.getloadavg(), "offline": [], "decode": [],
                     "prefill": []}
     report["decode_ceiling_tok_per_s"] = decode_ceiling(args.hf_dir)
-    for _ in range(args.rounds):
+    systems = [("pdserve", sys.executable), ("vllm", args.vllm_python)]
+    for round_ in range(args.rounds):
         for workload in args.workloads:
-            for engine, python in (("pdserve", sys.executable), ("vllm", args.vllm_python)):
+            # each system goes first in every other round: a first run after other work is
+            # often slower on a shared host (pdserve's first offline run, 41 s against 31)
+            for engine, python in systems[::-1] if round_ % 2 else systems:
                 r = offline(python, engine, args.hf_dir, workload, args.num_requests)
                 print(f"[{workload}] {engine}: {r}", file=sys.stderr, flush=True)
                 report[workload].append(r | {"engine": engine})
