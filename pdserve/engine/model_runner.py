@@ -53,22 +53,25 @@ class ModelRunner:
         if not sched.chunks:
             return ModelRunnerOutput()
         input_ids, positions, meta = self._prepare(sched.chunks)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (T, hidden)
+        rows = output_rows(sched.chunks)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta,
+                            self._tensor(rows))  # (len(rows), hidden)
+        at = {row: i for i, row in enumerate(rows)}  # step row -> row of hidden
         out = ModelRunnerOutput()
-        self._prompt_logprobs(sched.chunks, hidden, out)
-        rows, last_idx = [], []
+        self._prompt_logprobs(sched.chunks, hidden, at, out)
+        sampled, last_idx = [], []
         end = 0
         for chunk in sched.chunks:
             end += chunk.num_tokens
             if chunk.completes_sequence and chunk.request.pooling_params is not None:
                 out.pooled[chunk.request.request_id] = pool_hidden(
-                    hidden[end - 1], chunk.request.pooling_params)
+                    hidden[at[end - 1]], chunk.request.pooling_params)
             elif chunk.completes_sequence:
-                rows.append(chunk.request)
-                last_idx.append(end - 1)
-        if rows:
+                sampled.append(chunk.request)
+                last_idx.append(at[end - 1])
+        if sampled:
             logits = self.model.compute_logits(hidden[last_idx])  # (B, V)
-            for request, result in zip(rows, self.sampler(logits, rows)):
+            for request, result in zip(sampled, self.sampler(logits, sampled)):
                 out.sampled[request.request_id] = result
         return out
 
@@ -107,18 +110,38 @@ class ModelRunner:
         return self._tensor(ids), self._tensor(pos), meta
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-                         out: ModelRunnerOutput) -> None:
+                         at: dict[int, int], out: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens 1..P-1 for requests that asked (positions in this chunk)."""
         t0 = 0
         for chunk in chunks:
-            request, start, n = chunk.request, chunk.start, chunk.num_tokens
+            request, start, stop = chunk.request, chunk.start, _prompt_logprob_stop(chunk)
             k = request.sampling_params.prompt_logprobs
-            stop = min(start + n, request.num_prompt_tokens - 1)
             if k is not None and start < stop:
                 targets = request.prompt_token_ids[start + 1:stop + 1]
-                logits = self.model.compute_logits(hidden[t0:t0 + stop - start])  # (n', V)
+                first = at[t0]  # the chunk's rows up to stop are consecutive rows of hidden
+                logits = self.model.compute_logits(hidden[first:first + stop - start])  # (n', V)
                 out.prompt_logprobs[request.request_id] = prompt_logprobs(logits, targets, k)
-            t0 += n
+            t0 += chunk.num_tokens
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _prompt_logprob_stop(chunk: ScheduledChunk) -> int:
+    """The end of the chunk's positions whose next prompt token has a logprob to report."""
+    return min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens - 1)
+
+
+def output_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """The step's rows whose final hidden states it uses, increasing: each chunk's rows with a
+    prompt logprob to report, and the last row of a chunk that completes its sequence (to
+    sample or pool). The model computes the last layer for these rows alone."""
+    rows: list[int] = []
+    t0 = 0
+    for chunk in chunks:
+        if chunk.request.sampling_params.prompt_logprobs is not None:
+            rows.extend(range(t0, t0 + max(_prompt_logprob_stop(chunk) - chunk.start, 0)))
+        if chunk.completes_sequence:
+            rows.append(t0 + chunk.num_tokens - 1)
+        t0 += chunk.num_tokens
+    return sorted(set(rows))

@@ -46,7 +46,8 @@ class _StepBatch(ctypes.Structure):
                 ("decode_rows", _ptr), ("decode_lens", _ptr), ("decode_tables", _ptr),
                 ("num_prefills", _i64), ("prefill_max_blocks", _i64),
                 ("prefill_start", _ptr), ("prefill_end", _ptr), ("prefill_context", _ptr),
-                ("prefill_table_lens", _ptr), ("prefill_tables", _ptr)]
+                ("prefill_table_lens", _ptr), ("prefill_tables", _ptr), ("num_outputs", _i64),
+                ("output_rows", _ptr)]
 
 
 _ERRORS = {
@@ -54,6 +55,7 @@ _ERRORS = {
     -3: "a token's cache slot lies outside the KV cache",
     -4: "a decode does not fit its block table or the KV cache",
     -5: "a prefill span does not fit its block table or the KV cache",
+    -6: "output rows are not strictly increasing rows of the step",
 }
 
 
@@ -130,9 +132,12 @@ class NativeLayers:
                                                                         self.head_dim))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Run every layer on x (updated in place); `serves` must hold. Raises ValueError for
-        a slot, decode or prefill span that does not fit the cache."""
+                 kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 output_rows: torch.Tensor | None = None) -> None:
+        """Run every layer on x (updated in place); `serves` must hold. With output_rows (R,),
+        strictly increasing, the last layer runs for those rows alone and leaves their states
+        in x[:R] (the other rows' keys and values still reach the cache). Raises ValueError
+        for a slot, decode or prefill span that does not fit the cache, or bad output rows."""
         i64 = torch.int64
         slots = meta.slot_mapping.to(i64).contiguous()
         rows = meta.decode_token_idx.to(i64).contiguous()
@@ -148,9 +153,12 @@ class NativeLayers:
         span_tables = torch.zeros(len(spans), max(width, 1), dtype=i64)
         for i, s in enumerate(spans):
             span_tables[i, :s.block_table.numel()] = s.block_table
+        outputs = None if output_rows is None else output_rows.to(i64).contiguous()
         batch = _StepBatch(slots.data_ptr(), rows.numel(), tables.shape[-1], rows.data_ptr(),
                            lens.data_ptr(), tables.data_ptr(), len(spans), span_tables.shape[1],
-                           *(bounds[i].data_ptr() for i in range(4)), span_tables.data_ptr())
+                           *(bounds[i].data_ptr() for i in range(4)), span_tables.data_ptr(),
+                           0 if outputs is None else outputs.numel(),
+                           None if outputs is None else outputs.data_ptr())
         _, _, num_blocks, block_size = kv_cache.shape[:4]
         code = native.load().decoder_layers_f32(
             x.data_ptr(), x.shape[0], ctypes.byref(self.shape), self.weights,

@@ -189,8 +189,11 @@ class LlamaForCausalLM(nn.Module):
         self.native_layers: NativeLayers | None = None  # set by pack_for_cpu where it applies
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: (T,); kv_cache: (layers, 2, blocks, block_size, kvh, d)."""
+                meta: AttentionMetadata, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: (T,); kv_cache: (layers, 2, blocks, block_size, kvh, d).
+        Returns the final hidden states (T, hidden), or only those of output_rows (R,),
+        strictly increasing: (R, hidden). Every token's keys and values reach the cache
+        either way; the native loop then skips the last layer's work for the other rows."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.arch.is_gemma:
             from pdserve.models.gemma import embedding_scale
@@ -199,11 +202,11 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions)
         local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions)
         if self.native_layers is not None and self.native_layers.serves(x, cos_sin[0], kv_cache):
-            self.native_layers(x, *cos_sin, kv_cache, meta)  # every layer, one native call
-            return self.norm(x)
+            self.native_layers(x, *cos_sin, kv_cache, meta, output_rows)  # one native call
+            return self.norm(x if output_rows is None else x[:output_rows.numel()])
         for i, layer in enumerate(self.layers):
             x = layer(x, local if self.layer_is_local[i] else cos_sin, kv_cache[i], meta)
-        return self.norm(x)
+        return self.norm(x if output_rows is None else x[output_rows])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in float32."""

@@ -87,6 +87,33 @@ def test_native_layers_equal_the_modules_bit_for_bit(bias, monkeypatch):
     assert not torch.equal(native_cache, cache)  # the step's keys and values were written
 
 
+@pytest.mark.parametrize("rows", [[0, 3, 4, 5, 6], [14], [5, 14], []])
+def test_output_rows_get_the_full_steps_states_bit_for_bit(rows):
+    """With output rows, the native loop's last layer runs for them alone: a prefill span's
+    attention from its first output row (rows 3-5 of the span 1-5), none for a span without
+    one (8-14 in the first case), a decode left out (row 7). Those rows' states, and every
+    token's keys and values, are the full step's bit for bit."""
+    model = packed_model(arch())
+    ids, positions, cache, meta = mixed_step(model.arch)
+    native_cache, module_cache = cache.clone(), cache.clone()
+    with torch.inference_mode():
+        got = model(ids, positions, native_cache, meta, torch.tensor(rows, dtype=torch.long))
+        layers, model.native_layers = model.native_layers, None
+        want = model(ids, positions, module_cache, meta)
+        model.native_layers = layers
+    assert got.shape == (len(rows), model.arch.hidden_size)
+    assert torch.equal(got, want[rows])
+    assert torch.equal(native_cache, module_cache)
+
+
+@pytest.mark.parametrize("rows", [[3, 3], [4, 2], [-1], [15]])
+def test_bad_output_rows_are_refused(rows):
+    model = packed_model(arch())
+    ids, positions, cache, meta = mixed_step(model.arch)
+    with torch.inference_mode(), pytest.raises(ValueError, match="output rows"):
+        model(ids, positions, cache, meta, torch.tensor(rows, dtype=torch.long))
+
+
 def test_coded_weights_give_the_float32_panels_results_bit_for_bit():
     """Projections dequantized from GGUF Q4_1 blocks are coded (kernels/coded_weights.py):
     the mixed step's 15 rows then take linear_coded.c, with the same hidden states and cache

@@ -9,9 +9,18 @@
  *   attn = paged attention (decodes, then each prefill span)              (T, h d)
  *   x += attn W_o, normed = rms_norm(x)      x += down(silu(gate) * up)
  * The caches of all layers are one array (layers, 2, blocks, block_size, kvh, d).
+ *
+ * Where the step names its output rows (the tokens whose final states it samples or pools),
+ * the last layer computes only what those rows need: every token's keys and values still go
+ * to the cache, but a prefill span's attention starts at its first output row (none at all
+ * for a span without one), and the output projection and MLP run on the output rows alone,
+ * moved to x's first rows. Each row's arithmetic is the same as in the full layer (the
+ * kernels' rows are independent of each other), so those rows' results are the same bit for
+ * bit; the work skipped is most of a layer for every prompt token but the last.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "decoder_layers.h"
 #include "kernels.h"
@@ -46,6 +55,21 @@ static void project(const float *x, int64_t T, const float *panels, const void *
         linear_f32(x, k, T, panels, n, k, bias, out, n, num_threads);
 }
 
+/* Rows rows[0 .. R - 1] (strictly increasing) of a (T, width) array moved to its first R. */
+static void keep_rows(float *a, int64_t width, const int64_t *rows, int64_t R)
+{
+    for (int64_t i = 0; i < R; i++)
+        if (rows[i] != i) memcpy(a + i * width, a + rows[i] * width, sizeof(float) * width);
+}
+
+/* The first output row in start .. end - 1, or end when there is none. */
+static int64_t first_output(const step_batch *b, int64_t start, int64_t end)
+{
+    for (int64_t i = 0; i < b->num_outputs; i++)
+        if (b->output_rows[i] >= start) return b->output_rows[i] < end ? b->output_rows[i] : end;
+    return end;
+}
+
 static float *scratch_alloc(int64_t floats)
 {
     return aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
@@ -66,6 +90,9 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
     for (int64_t p = 0; p < b->num_prefills; p++)
         if (b->prefill_start[p] < 0 || b->prefill_end[p] > T
                 || b->prefill_table_lens[p] > b->prefill_max_blocks) return DL_BAD_PREFILL;
+    for (int64_t i = 0; b->output_rows && i < b->num_outputs; i++)
+        if (b->output_rows[i] < (i ? b->output_rows[i - 1] + 1 : 0) || b->output_rows[i] >= T)
+            return DL_BAD_OUTPUT;
     float *normed = scratch_alloc(T * H), *qkv = scratch_alloc(T * Q);
     float *attn = scratch_alloc(T * h * d), *tmp = scratch_alloc(T * H);
     float *gu = scratch_alloc(T * 2 * I), *act = scratch_alloc(T * I);
@@ -74,6 +101,7 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
     const int64_t cache = num_blocks * bs * kv_width;  /* floats of one layer's K (or V) */
     for (int64_t l = 0; l < s->layers && !code; l++) {
         const layer_weights *w = layers + l;
+        const int prune = l == s->layers - 1 && b->output_rows && b->num_outputs < T;
         float *kc = kv + 2 * l * cache, *vc = kc + cache;
         rms_norm_f32(x, H, w->input_norm, normed, H, T, H, s->eps, num_threads);
         project(normed, T, w->qkv, w->qkv_codes, w->qkv_params, w->qkv_bits, Q, H, w->qkv_bias,
@@ -89,25 +117,35 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
             else if (r < 0) code = DL_BAD_DECODE;
         }
         for (int64_t p = 0; p < b->num_prefills && !code; p++) {
-            const int64_t start = b->prefill_start[p], n = b->prefill_end[p] - start;
+            const int64_t end = b->prefill_end[p];
+            const int64_t start = prune ? first_output(b, b->prefill_start[p], end)
+                                        : b->prefill_start[p];
+            if (start == end) continue;  /* the last layer, no output row in this span */
             const int r = paged_prefill_f32(qkv + start * Q, Q, kc, vc, num_blocks, bs, kvh, d,
                                             b->prefill_tables + p * b->prefill_max_blocks,
-                                            b->prefill_table_lens[p], n,
+                                            b->prefill_table_lens[p], end - start,
                                             b->prefill_context[p], h, s->scale,
                                             attn + start * h * d, h * d, num_threads);
             if (r == -2) code = DL_NO_MEMORY;
             else if (r < 0) code = DL_BAD_PREFILL;
         }
         if (code) break;
-        project(attn, T, w->o, w->o_codes, w->o_params, w->o_bits, H, h * d, NULL, tmp, coded,
+        int64_t rows = T;
+        if (prune) {
+            rows = b->num_outputs;
+            keep_rows(x, H, b->output_rows, rows);
+            keep_rows(attn, h * d, b->output_rows, rows);
+            if (!rows) break;
+        }
+        project(attn, rows, w->o, w->o_codes, w->o_params, w->o_bits, H, h * d, NULL, tmp, coded,
                 num_threads);
-        add_rms_norm_f32(x, H, tmp, H, w->post_norm, normed, H, T, H, s->eps, num_threads);
-        project(normed, T, w->gate_up, w->gate_up_codes, w->gate_up_params, w->gate_up_bits, 2 * I,
-                H, NULL, gu, coded, num_threads);
-        silu_mul_f32(gu, 2 * I, act, I, T, I, num_threads);
-        project(act, T, w->down, w->down_codes, w->down_params, w->down_bits, H, I, NULL, tmp,
+        add_rms_norm_f32(x, H, tmp, H, w->post_norm, normed, H, rows, H, s->eps, num_threads);
+        project(normed, rows, w->gate_up, w->gate_up_codes, w->gate_up_params, w->gate_up_bits,
+                2 * I, H, NULL, gu, coded, num_threads);
+        silu_mul_f32(gu, 2 * I, act, I, rows, I, num_threads);
+        project(act, rows, w->down, w->down_codes, w->down_params, w->down_bits, H, I, NULL, tmp,
                 coded, num_threads);
-        add_in_place(x, tmp, T * H, num_threads);
+        add_in_place(x, tmp, rows * H, num_threads);
     }
     free(normed); free(qkv); free(attn); free(tmp); free(gu); free(act);
     return code;

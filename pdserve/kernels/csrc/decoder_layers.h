@@ -29,6 +29,9 @@ typedef struct {
     int64_t num_prefills, prefill_max_blocks;
     const int64_t *prefill_start, *prefill_end, *prefill_context, *prefill_table_lens;  /* (P,) */
     const int64_t *prefill_tables;         /* (P, prefill_max_blocks) */
+    /* the rows whose final states the step needs, strictly increasing; NULL: every row */
+    int64_t num_outputs;
+    const int64_t *output_rows;            /* (num_outputs,) */
 } step_batch;
 
 enum {
@@ -37,8 +40,11 @@ enum {
     DL_BAD_SLOT = -3,     /* a token's cache slot outside the cache */
     DL_BAD_DECODE = -4,   /* a decode that does not fit its block table or the cache */
     DL_BAD_PREFILL = -5,  /* likewise a prefill span */
+    DL_BAD_OUTPUT = -6,   /* output rows not strictly increasing within the step */
 };
 
+/* Every layer on x (T, hidden), in place. With output rows, the last layer runs for those rows
+ * alone and leaves their states in x's first num_outputs rows (decoder_layers.c). */
 int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_weights *layers,
                        float *kv, int64_t num_blocks, int64_t bs, const float *cos,
                        const float *sin, const step_batch *b, int num_threads);
