@@ -54,8 +54,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         input_ids, positions, meta = self._prepare(sched.chunks)
         rows = output_rows(sched.chunks)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta,
-                            self._tensor(rows))  # (len(rows), hidden)
+        asked = None if len(rows) == len(input_ids) else self._tensor(rows)  # None: every row
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, asked)  # (len(rows), hidden)
         at = {row: i for i, row in enumerate(rows)}  # step row -> row of hidden
         out = ModelRunnerOutput()
         self._prompt_logprobs(sched.chunks, hidden, at, out)

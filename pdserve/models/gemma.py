@@ -62,9 +62,11 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        x = x + self.post_attention_layernorm(attn)
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden), or (R, hidden) for rows (R,) alone."""
+        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, rows)
+        x = (x if rows is None else x[rows]) + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(mlp)
 

@@ -110,7 +110,10 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden), or (R, hidden) for rows (R,) alone; every token's
+        keys and values reach the cache either way."""
         T = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (T, (h + 2 kvh) d)
@@ -129,7 +132,8 @@ class Attention(nn.Module):
         else:
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                   softcap=self.softcap, sliding_window=self.window)
-        return self.o_proj(out.reshape(T, self.q_size))
+        out = out.reshape(T, self.q_size)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class MLP(nn.Module):
@@ -150,13 +154,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, cos_sin, kv_cache, meta):
+    def forward(self, x, cos_sin, kv_cache, meta, rows=None):
         """x: (T, hidden), this layer's to update in place (the embedding's or the previous
-        layer's output)."""
-        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        layer's output). With rows (R,), the output projection and MLP run for those rows
+        alone: (R, hidden)."""
+        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, rows)
+        x = x if rows is None else x[rows]
         norm = self.post_attention_layernorm
         x, normed = add_rms_norm(x, attn, norm.weight, norm.eps)  # residual add + norm, fused
         return x + self.mlp(normed)
+
+
+def _check_output_rows(rows: torch.Tensor, T: int) -> None:
+    """rows: (R,) strictly increasing rows of a T-token step, or ValueError."""
+    if rows.dim() != 1 or rows.numel() and bool(
+            (rows[0] < 0) | (rows[-1] >= T) | (rows.diff() <= 0).any()):
+        raise ValueError("output rows are not strictly increasing rows of the step")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -193,7 +206,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,); kv_cache: (layers, 2, blocks, block_size, kvh, d).
         Returns the final hidden states (T, hidden), or only those of output_rows (R,),
         strictly increasing: (R, hidden). Every token's keys and values reach the cache
-        either way; the native loop then skips the last layer's work for the other rows."""
+        either way; the last layer's output projection and MLP (the native loop: its
+        attention too) then run for the output rows alone."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.arch.is_gemma:
             from pdserve.models.gemma import embedding_scale
@@ -204,9 +218,13 @@ class LlamaForCausalLM(nn.Module):
         if self.native_layers is not None and self.native_layers.serves(x, cos_sin[0], kv_cache):
             self.native_layers(x, *cos_sin, kv_cache, meta, output_rows)  # one native call
             return self.norm(x if output_rows is None else x[:output_rows.numel()])
-        for i, layer in enumerate(self.layers):
-            x = layer(x, local if self.layer_is_local[i] else cos_sin, kv_cache[i], meta)
-        return self.norm(x if output_rows is None else x[output_rows])
+        if output_rows is not None:
+            _check_output_rows(output_rows, x.shape[0])
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):  # the last layer for the output rows alone
+            x = layer(x, local if self.layer_is_local[i] else cos_sin, kv_cache[i], meta,
+                      output_rows if i == last else None)
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in float32."""

@@ -95,20 +95,27 @@ def test_output_rows_get_the_full_steps_states_bit_for_bit(rows):
     token's keys and values, are the full step's bit for bit."""
     model = packed_model(arch())
     ids, positions, cache, meta = mixed_step(model.arch)
-    native_cache, module_cache = cache.clone(), cache.clone()
+    native_cache, module_cache, pruned_cache = cache.clone(), cache.clone(), cache.clone()
+    asked = torch.tensor(rows, dtype=torch.long)
     with torch.inference_mode():
-        got = model(ids, positions, native_cache, meta, torch.tensor(rows, dtype=torch.long))
+        got = model(ids, positions, native_cache, meta, asked)
         layers, model.native_layers = model.native_layers, None
         want = model(ids, positions, module_cache, meta)
+        module = model(ids, positions, pruned_cache, meta, asked)  # the module path's own
         model.native_layers = layers
-    assert got.shape == (len(rows), model.arch.hidden_size)
+    assert got.shape == module.shape == (len(rows), model.arch.hidden_size)
     assert torch.equal(got, want[rows])
+    assert torch.equal(module, want[rows])
     assert torch.equal(native_cache, module_cache)
+    assert torch.equal(pruned_cache, module_cache)
 
 
+@pytest.mark.parametrize("path", ["native", "module"])
 @pytest.mark.parametrize("rows", [[3, 3], [4, 2], [-1], [15]])
-def test_bad_output_rows_are_refused(rows):
+def test_bad_output_rows_are_refused(rows, path):
     model = packed_model(arch())
+    if path == "module":
+        model.native_layers = None
     ids, positions, cache, meta = mixed_step(model.arch)
     with torch.inference_mode(), pytest.raises(ValueError, match="output rows"):
         model(ids, positions, cache, meta, torch.tensor(rows, dtype=torch.long))
