@@ -51,3 +51,31 @@ def test_bfloat16_checkpoint_in_float32_matches_transformers(tmp_path):
                for w in model.native_layers.weights)  # bfloat16 codes: no params
     assert_greedy_matches_transformers(llm, path, [[5 + (7 * i + 5 * j) % 900 for j in
                                                     range(6 + 19 * i)] for i in range(3)])
+
+
+@pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+def test_prompt_logprobs_over_chunks_match_transformers(tmp_path):
+    """The native loop's last layer runs only for the rows a step uses: with a 100-token prompt
+    in chunks of up to 48 tokens beside a request without prompt logprobs, every prompt
+    logprob (rows spread over three steps) still equals transformers' log-softmax."""
+    from hf_reference import hf_logprobs
+
+    path = write_tiny_llama(tmp_path / "m", hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1, num_hidden_layers=2, head_dim=64)
+    llm = LLM(model=str(path), kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=48)
+    assert llm.llm_engine.runner.model.native_layers is not None
+    prompts = [[5 + (13 * j) % 900 for j in range(100)], [7 + (3 * j) % 900 for j in range(30)]]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                        prompt_logprobs=1),
+                         SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf_logprobs(hf, prompts[0])
+    got = outs[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompts[0])
+    for pos in range(1, len(prompts[0])):
+        tid = prompts[0][pos]
+        assert abs(got[pos][tid].logprob - ref[pos - 1, tid].item()) < 1e-4
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 4)
