@@ -99,6 +99,9 @@ def serving(args, concurrency: int, scratch: Path) -> dict:
            "--engine-args=--kv-cache-prefault",  # resident from the start, as vLLM's is
            "--out", str(path)]
     subprocess.run(cmd, check=False, timeout=7200)
+    if not path.exists():  # serving.py failed before its report: the other results stand
+        print(f"[serving c={concurrency}] no report", file=sys.stderr, flush=True)
+        return {}
     data = json.loads(path.read_text())
     results = data.get("results", data)
     keep = ("output_token_throughput", "ttft_s", "tpot_s", "itl_s", "loadavg_1m_after")
@@ -111,7 +114,8 @@ def ratios(report: dict) -> dict:
     for workload in ("offline", "decode"):
         runs = report[workload]
         for metric in ("tok_per_s", "tok_per_cpu_s"):
-            best = {e: max((r[metric] for r in runs if r.get("engine") == e), default=None)
+            best = {e: max((r[metric] for r in runs if r.get("engine") == e and metric in r),
+                           default=None)  # a failed run has only its error
                     for e in ("pdserve", "vllm")}
             if best["pdserve"] and best["vllm"]:
                 out[f"{workload}_{metric}"] = best["pdserve"] / best["vllm"]
@@ -127,7 +131,7 @@ def ratios(report: dict) -> dict:
                                                / vl["output_token_throughput"])
             for k, q in (("ttft_s", "p50"), ("tpot_s", "p50"), ("itl_s", "p99")):
                 out[f"serving_c{c}_{k[:-2]}_{q}"] = pd[k][q] / vl[k][q]
-    decode = [r for r in report["decode"] if r.get("engine") == "pdserve"]
+    decode = [r for r in report["decode"] if r.get("engine") == "pdserve" and "tok_per_s" in r]
     if decode:
         out["decode_pdserve_over_ceiling"] = max(r["tok_per_s"] for r in decode) / \
             report["decode_ceiling_tok_per_s"]
