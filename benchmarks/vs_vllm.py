@@ -109,18 +109,20 @@ def serving(args, concurrency: int, scratch: Path) -> dict:
             if isinstance(r, dict) and r.get("status") == "ok"}
 
 
+def _finished(report: dict, workload: str, engine: str) -> list[dict]:
+    """The engine's runs of the workload that finished (a failed run holds only its error)."""
+    return [r for r in report[workload] if r.get("engine") == engine and "error" not in r]
+
+
 def ratios(report: dict) -> dict:
     out: dict = {}
     for workload in ("offline", "decode"):
-        runs = report[workload]
         for metric in ("tok_per_s", "tok_per_cpu_s"):
-            best = {e: max((r[metric] for r in runs if r.get("engine") == e and metric in r),
-                           default=None)  # a failed run has only its error
+            best = {e: max((r[metric] for r in _finished(report, workload, e)), default=None)
                     for e in ("pdserve", "vllm")}
             if best["pdserve"] and best["vllm"]:
                 out[f"{workload}_{metric}"] = best["pdserve"] / best["vllm"]
-    cold = {e: min((r["s_per_request"] for r in report["prefill"]
-                    if r.get("engine") == e and "s_per_request" in r), default=None)
+    cold = {e: min((r["s_per_request"] for r in _finished(report, "prefill", e)), default=None)
             for e in ("pdserve", "vllm")}
     if cold["pdserve"] and cold["vllm"]:
         out["prefill_2000_tokens_time"] = cold["pdserve"] / cold["vllm"]
@@ -131,7 +133,7 @@ def ratios(report: dict) -> dict:
                                                / vl["output_token_throughput"])
             for k, q in (("ttft_s", "p50"), ("tpot_s", "p50"), ("itl_s", "p99")):
                 out[f"serving_c{c}_{k[:-2]}_{q}"] = pd[k][q] / vl[k][q]
-    decode = [r for r in report["decode"] if r.get("engine") == "pdserve" and "tok_per_s" in r]
+    decode = _finished(report, "decode", "pdserve")
     if decode:
         out["decode_pdserve_over_ceiling"] = max(r["tok_per_s"] for r in decode) / \
             report["decode_ceiling_tok_per_s"]
