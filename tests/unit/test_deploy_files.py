@@ -207,6 +207,31 @@ def test_image_installs_what_the_gateway_imports():
                          "[project].dependencies lack: the image's `pdserve serve` would fail")
 
 
+def test_compose_engines_take_cpu_turns_through_one_lock():
+    """Prefill and decode on one compose host compute in turns (cpu_turns.py), as under
+    `pdserve up`: one --cpu-turns lock file, on a named volume both mount, in a folder the
+    image gives its unprivileged user (a new volume takes that owner)."""
+    doc = compose()
+    engines = {s.id: s for s in ALL_SERVERS
+               if s.platform == "compose" and s.argv[:1] and s.argv[0] in INSTANCE_ROLES}
+    assert {s.argv[0] for s in engines.values()} == set(INSTANCE_ROLES)
+    locks = {}
+    for sid, server in engines.items():
+        lock = parse(server).cpu_turns
+        assert lock, f"{sid}: no --cpu-turns: its compute threads would preempt the other's"
+        mounts = [str(v).split(":") for v in doc["services"][sid.split(":", 1)[1]]["volumes"]]
+        volume = [m[0] for m in mounts if len(m) >= 2 and lock.startswith(m[1].rstrip("/") + "/")]
+        assert volume and volume[0] in doc.get("volumes", {}), (
+            f"{sid}: {lock} is not on a named volume of the compose file")
+        locks[sid] = (volume[0], lock)
+    assert len(set(locks.values())) == 1, f"the engines use different turn locks: {locks}"
+    folder = next(iter(locks.values()))[1].rsplit("/", 1)[0]
+    user = [r for op, r in _dockerfile_instructions() if op == "USER"][-1]
+    runs = " && ".join(r for op, r in _dockerfile_instructions() if op == "RUN")
+    assert re.search(rf"chown {user}(:{user})? {re.escape(folder)}( |$)", runs), (
+        f"the image must give {folder} to its user {user}, or the lock cannot be created")
+
+
 # ------------------------------------------------------------------------ the cluster secret
 
 def test_every_compose_server_gets_the_cluster_secret():
