@@ -137,7 +137,10 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes)  # kept alive by the tensor (torch.frombuffer)
-    try:  # fewer page faults and TLB misses, where the kernel has transparent huge pages
+    # Fewer page faults and TLB misses where the kernel gives shared memory transparent huge
+    # pages (its transparent_hugepage/shmem_enabled; "never" on the development machine, where
+    # a private mapping with huge pages left decode step times unchanged).
+    try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):
         pass
