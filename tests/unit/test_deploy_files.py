@@ -219,8 +219,10 @@ def test_compose_engines_take_cpu_turns_through_one_lock():
     for sid, server in engines.items():
         lock = parse(server).cpu_turns
         assert lock, f"{sid}: no --cpu-turns: its compute threads would preempt the other's"
-        mounts = [str(v).split(":") for v in doc["services"][sid.split(":", 1)[1]]["volumes"]]
-        volume = [m[0] for m in mounts if len(m) >= 2 and lock.startswith(m[1].rstrip("/") + "/")]
+        service = doc["services"][sid.split(":", 1)[1]]
+        mounts = [str(v).split(":") for v in service.get("volumes", [])]
+        volume = [m[0] for m in mounts
+                  if len(m) >= 2 and lock.startswith(m[1].rstrip("/") + "/")]
         assert volume and volume[0] in doc.get("volumes", {}), (
             f"{sid}: {lock} is not on a named volume of the compose file")
         locks[sid] = (volume[0], lock)
