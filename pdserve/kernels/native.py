@@ -25,7 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "linear.c",
-           "linear_coded.c", "decoder_layers.c")
+           "linear_coded.c", "decoder_layers.c", "decoder_lanes.c")
 HEADERS = ("vec16.h", "kernels.h", "decoder_layers.h", "panel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
@@ -64,6 +64,9 @@ _SIGNATURES = {
     # x, T, shape, layers, kv, num_blocks, block_size, cos, sin, batch, num_threads
     "decoder_layers_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
                            ctypes.c_int],
+    # x, T, shape, layers, kv, num_blocks, block_size, cos, sin, batch, bounds, num_lanes
+    "decoder_lanes_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
+                          _i64],
 }
 _RESULT = {"code_runs_f32": _i64}
 _VOID = {"rms_norm_f32", "add_rms_norm_f32", "silu_mul_f32", "rotary_f32", "linear_f32",

@@ -79,3 +79,25 @@ def test_prompt_logprobs_over_chunks_match_transformers(tmp_path):
         assert abs(got[pos][tid].logprob - ref[pos - 1, tid].item()) < 1e-4
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 4)
+
+
+@pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+def test_smollm2_decoding_in_lanes_matches_transformers(smollm2_llm, hf_smollm2, monkeypatch):
+    """Sixteen sequences decoding together on two threads run their steps in two lanes
+    (csrc/decoder_lanes.c), on the bundled checkpoint's coded weights: greedy tokens equal
+    transformers'."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    lib, lanes = native.load(), []
+    run = lib.decoder_lanes_f32
+    monkeypatch.setattr(lib, "decoder_lanes_f32", lambda *args: lanes.append(args[-1]) or run(*args))
+    prompts = [[100 + (7 * i + 13 * j) % 40000 for j in range(5 + 9 * i)] for i in range(16)]
+    try:
+        outs = smollm2_llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                                    use_tqdm=False)
+    finally:
+        torch.set_num_threads(before)
+    assert lanes and set(lanes) == {2}  # decode steps of 16 rows ran in two lanes
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf_smollm2, prompt, 10)

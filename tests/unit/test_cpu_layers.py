@@ -1,13 +1,14 @@
 """The decoder's layers in one native call (kernels/cpu_layers.py): bit for bit the module
-path's hidden states and KV cache on mixed decode + prefill steps, and bad metadata refused
-before any cache write (tests/engine/test_native_layers_hf.py compares with transformers)."""
+path's hidden states and KV cache on mixed decode + prefill steps and on decode steps run in
+lanes, and bad metadata refused before any cache write (tests/engine/test_native_layers_hf.py compares with transformers)."""
 
 import pytest
 import torch
 
 from pdserve.kernels import native
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
-from pdserve.kernels.cpu_layers import NativeLayers
+from pdserve.kernels import cpu_layers
+from pdserve.kernels.cpu_layers import LANE_MIN_ROWS, NativeLayers, lane_bounds
 from pdserve.models.arch import ModelArch
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.tiny import tiny_arch
@@ -183,3 +184,86 @@ def test_models_with_extras_keep_the_module_path():
     assert qk_norm.native_layers is None
     unpacked = LlamaForCausalLM(arch()).eval()  # projections not packed
     assert NativeLayers.build(unpacked) is None
+
+
+LANE_BLOCKS = 160
+
+
+def decode_step(a: ModelArch, batch: int):
+    """`batch` decodes alone, contexts of 3-60 tokens in scattered blocks, cache random."""
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.randperm(LANE_BLOCKS, generator=g).tolist()
+    lens = torch.randint(3, 61, (batch,), generator=g)
+    tables, slots, used = [], [], 0
+    for length in lens.tolist():
+        n = -(-length // BLOCK)
+        table = blocks[used:used + n]
+        used += n
+        tables.append(table + [0] * (8 - n))
+        slots.append(table[(length - 1) // BLOCK] * BLOCK + (length - 1) % BLOCK)
+    meta = AttentionMetadata(torch.tensor(slots), torch.arange(batch), torch.tensor(tables),
+                             lens, [])
+    cache = torch.randn(a.num_hidden_layers, 2, LANE_BLOCKS, BLOCK, a.num_key_value_heads,
+                        a.head_dim, generator=g)
+    return torch.randint(1, a.vocab_size, (batch,), generator=g), lens - 1, cache, meta
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_threads,batch", [(2, 2 * LANE_MIN_ROWS), (3, 3 * LANE_MIN_ROWS + 5)])
+def test_decode_steps_in_lanes_equal_the_step_wide_loop_bit_for_bit(num_threads, batch,
+                                                                    threads, monkeypatch):
+    threads(num_threads)
+    model = packed_model(arch())
+    ids, positions, cache, meta = decode_step(model.arch, batch)
+    lanes = lane_bounds(meta.decode_seq_lens, num_threads)
+    assert lanes is not None and lanes.numel() == num_threads + 1
+    lib, seen = native.load(), []
+    run = lib.decoder_lanes_f32
+    monkeypatch.setattr(lib, "decoder_lanes_f32", lambda *args: seen.append(args[-1]) or run(*args))
+    in_lanes, step_wide, module = cache.clone(), cache.clone(), cache.clone()
+    with torch.inference_mode():
+        got = model(ids, positions, in_lanes, meta)
+        monkeypatch.setattr(cpu_layers, "LANE_MIN_ROWS", batch + 1)
+        wide = model(ids, positions, step_wide, meta)
+        layers, model.native_layers = model.native_layers, None
+        want = model(ids, positions, module, meta)
+        model.native_layers = layers
+    assert seen == [num_threads]  # the first forward ran in lanes, the second did not
+    assert torch.equal(got, wide) and torch.equal(got, want)
+    assert torch.equal(in_lanes, step_wide) and torch.equal(in_lanes, module)
+    assert not torch.equal(in_lanes, cache)
+
+
+def test_lanes_split_by_rows_and_context():
+    assert lane_bounds(torch.full((2 * LANE_MIN_ROWS - 1,), 100), 2) is None  # too few rows
+    assert lane_bounds(torch.full((64,), 100), 1) is None  # one thread
+    assert lane_bounds(torch.full((24,), 300), 2).tolist() == [0, 12, 24]
+    assert lane_bounds(torch.full((40,), 300), 8).tolist() == [0, 8, 16, 24, 32, 40]
+    # the long contexts go to a lane of fewer rows
+    uneven = lane_bounds(torch.tensor([50] * 12 + [2000] * 12), 2).tolist()
+    assert uneven[0] == 0 and uneven[2] == 24 and 12 < uneven[1] < 24
+    # whatever the contexts, every lane keeps at least one row
+    assert lane_bounds(torch.tensor([10**6] + [1] * 15), 2).tolist() == [0, 1, 16]
+
+
+@pytest.mark.parametrize("field,message", [("slot", "cache slot"), ("table", "decode")])
+def test_bad_metadata_in_lanes_is_refused(field, message, threads):
+    threads(2)
+    a = arch()
+    model = packed_model(a)
+    ids, positions, cache, meta = decode_step(a, 2 * LANE_MIN_ROWS)
+    if field == "slot":
+        meta.slot_mapping[-1] = LANE_BLOCKS * BLOCK  # in the second lane
+    else:
+        meta.decode_block_tables[-1, 0] = LANE_BLOCKS
+    before = cache.clone()
+    with torch.inference_mode(), pytest.raises(ValueError, match=message):
+        model(ids, positions, cache, meta)
+    if field == "slot":  # checked for the whole step before any lane starts
+        assert torch.equal(cache, before)

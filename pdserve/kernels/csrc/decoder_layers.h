@@ -48,3 +48,11 @@ enum {
 int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_weights *layers,
                        float *kv, int64_t num_blocks, int64_t bs, const float *cos,
                        const float *sin, const step_batch *b, int num_threads);
+/* The same for a step of decodes alone (no prefill span, every row an output, decode row i
+ * being token i), its rows split into num_lanes consecutive lanes at bounds (num_lanes + 1
+ * increasing offsets from 0 to T), each lane through every layer on one thread of its own
+ * (decoder_lanes.c). */
+int decoder_lanes_f32(float *x, int64_t T, const decoder_shape *s, const layer_weights *layers,
+                      float *kv, int64_t num_blocks, int64_t bs, const float *cos,
+                      const float *sin, const step_batch *b, const int64_t *bounds,
+                      int64_t num_lanes);
