@@ -7,7 +7,8 @@ native loop runs the same kernels in the same order on the same buffers, so its 
 the same bit for bit; it serves float32 models whose every projection is packed in panels and
 whose layers have no extras (no q/k norm, soft-cap or sliding window), and `serves` says for
 which steps (head sizes 64 and 128, native attention metadata). Everything else keeps the
-module path.
+module path. A step of decodes alone with enough rows runs in lanes, one per compute thread
+(csrc/decoder_lanes.c), with the same results.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pdserve.kernels.cpu_linear import CODED_MAX_ROWS, PackedLinear
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 # A step of decodes alone runs in lanes, one per compute thread (csrc/decoder_lanes.c), when
-# every lane gets at least this many rows: each lane streams every weight, and under 8 rows a
-# lane's step is mostly that stream (7-12% slower than the step-wide loop in one test).
+# every lane gets at least this many rows: each lane streams every weight, so a lane of a few
+# rows is mostly that stream (an earlier version of lanes ran 7-12% slower than the
+# step-wide loop under 8 rows a lane: benchmarks/results/vs_vllm.md).
 LANE_MIN_ROWS = 8
 # A decode row's projections cost about as much as its attention over this many tokens of
 # context: lanes are split to even out rows * this + their contexts.
@@ -172,7 +174,8 @@ class NativeLayers:
                 kv_cache.data_ptr(), num_blocks, block_size, cos.data_ptr(), sin.data_ptr(),
                 ctypes.byref(batch))
         threads = torch.get_num_threads()
-        lanes = None if spans or outputs is not None else lane_bounds(lens, threads)
+        decodes_alone = not spans and outputs is None and rows.numel() == x.shape[0]
+        lanes = lane_bounds(lens, threads) if decodes_alone else None
         if lanes is None:
             code = native.load().decoder_layers_f32(*args, threads)
         else:

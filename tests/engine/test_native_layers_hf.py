@@ -90,7 +90,8 @@ def test_smollm2_decoding_in_lanes_matches_transformers(smollm2_llm, hf_smollm2,
     torch.set_num_threads(2)
     lib, lanes = native.load(), []
     run = lib.decoder_lanes_f32
-    monkeypatch.setattr(lib, "decoder_lanes_f32", lambda *args: lanes.append(args[-1]) or run(*args))
+    monkeypatch.setattr(lib, "decoder_lanes_f32",
+                        lambda *args: lanes.append(args[-1]) or run(*args))
     prompts = [[100 + (7 * i + 13 * j) % 40000 for j in range(5 + 9 * i)] for i in range(16)]
     try:
         outs = smollm2_llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],

@@ -1,6 +1,7 @@
 """The decoder's layers in one native call (kernels/cpu_layers.py): bit for bit the module
 path's hidden states and KV cache on mixed decode + prefill steps and on decode steps run in
-lanes, and bad metadata refused before any cache write (tests/engine/test_native_layers_hf.py compares with transformers)."""
+lanes, and bad metadata refused before any cache write (tests/engine/test_native_layers_hf.py
+compares with transformers)."""
 
 import pytest
 import torch
@@ -215,7 +216,8 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("num_threads,batch", [(2, 2 * LANE_MIN_ROWS), (3, 3 * LANE_MIN_ROWS + 5)])
+@pytest.mark.parametrize("num_threads,batch",
+                         [(2, 2 * LANE_MIN_ROWS), (3, 3 * LANE_MIN_ROWS + 5)])
 def test_decode_steps_in_lanes_equal_the_step_wide_loop_bit_for_bit(num_threads, batch,
                                                                     threads, monkeypatch):
     threads(num_threads)
@@ -225,7 +227,8 @@ def test_decode_steps_in_lanes_equal_the_step_wide_loop_bit_for_bit(num_threads,
     assert lanes is not None and lanes.numel() == num_threads + 1
     lib, seen = native.load(), []
     run = lib.decoder_lanes_f32
-    monkeypatch.setattr(lib, "decoder_lanes_f32", lambda *args: seen.append(args[-1]) or run(*args))
+    monkeypatch.setattr(lib, "decoder_lanes_f32",
+                        lambda *args: seen.append(args[-1]) or run(*args))
     in_lanes, step_wide, module = cache.clone(), cache.clone(), cache.clone()
     with torch.inference_mode():
         got = model(ids, positions, in_lanes, meta)
