@@ -7,8 +7,8 @@ native loop runs the same kernels in the same order on the same buffers, so its 
 the same bit for bit; it serves float32 models whose every projection is packed in panels and
 whose layers have no extras (no q/k norm, soft-cap or sliding window), and `serves` says for
 which steps (head sizes 64 and 128, native attention metadata). Everything else keeps the
-module path. A step of decodes alone with enough rows runs in lanes, one per compute thread
-(csrc/decoder_lanes.c), with the same results.
+module path. On two compute threads, a step of decodes alone with enough rows runs in lanes,
+one a thread (csrc/decoder_lanes.c), with the same results.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # rows is mostly that stream (an earlier version of lanes ran 7-12% slower than the
 # step-wide loop under 8 rows a lane: benchmarks/results/vs_vllm.md).
 LANE_MIN_ROWS = 8
+# Lanes are measured on two compute threads only. Each lane streams every weight, so more lanes
+# multiply the weight traffic of a step that several threads would otherwise share.
+LANE_MAX_THREADS = 2
 # A decode row's projections cost about as much as its attention over this many tokens of
 # context: lanes are split to even out rows * this + their contexts.
 LANE_ROW_COST_TOKENS = 350
@@ -187,11 +190,11 @@ class NativeLayers:
 
 
 def lane_bounds(lens: torch.Tensor, threads: int) -> torch.Tensor | None:
-    """Where a step of decodes alone with contexts `lens` (B,) splits into lanes: (lanes + 1,)
-    increasing offsets from 0 to B, or None to run it step-wide (fewer than LANE_MIN_ROWS rows
-    a lane, or one thread)."""
-    num_lanes = min(threads, lens.numel() // LANE_MIN_ROWS)
-    if num_lanes < 2:
+    """Where a step of decodes alone with contexts `lens` (B,) splits into one lane a thread:
+    (threads + 1,) increasing offsets from 0 to B, or None to run it step-wide (one thread,
+    more than LANE_MAX_THREADS, or fewer than LANE_MIN_ROWS rows a lane)."""
+    num_lanes = threads
+    if not 2 <= num_lanes <= LANE_MAX_THREADS or lens.numel() < num_lanes * LANE_MIN_ROWS:
         return None
     cost = torch.cumsum(lens + LANE_ROW_COST_TOKENS, 0)  # (B,)
     targets = cost[-1] * torch.arange(1, num_lanes, dtype=cost.dtype) // num_lanes

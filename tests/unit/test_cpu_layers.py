@@ -9,7 +9,7 @@ import torch
 from pdserve.kernels import native
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
 from pdserve.kernels import cpu_layers
-from pdserve.kernels.cpu_layers import LANE_MIN_ROWS, NativeLayers, lane_bounds
+from pdserve.kernels.cpu_layers import LANE_MAX_THREADS, LANE_MIN_ROWS, NativeLayers, lane_bounds
 from pdserve.models.arch import ModelArch
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.tiny import tiny_arch
@@ -221,6 +221,7 @@ def threads():
 def test_decode_steps_in_lanes_equal_the_step_wide_loop_bit_for_bit(num_threads, batch,
                                                                     threads, monkeypatch):
     threads(num_threads)
+    monkeypatch.setattr(cpu_layers, "LANE_MAX_THREADS", 3)  # three lanes: the C side's general case
     model = packed_model(arch())
     ids, positions, cache, meta = decode_step(model.arch, batch)
     lanes = lane_bounds(meta.decode_seq_lens, num_threads)
@@ -246,8 +247,8 @@ def test_decode_steps_in_lanes_equal_the_step_wide_loop_bit_for_bit(num_threads,
 def test_lanes_split_by_rows_and_context():
     assert lane_bounds(torch.full((2 * LANE_MIN_ROWS - 1,), 100), 2) is None  # too few rows
     assert lane_bounds(torch.full((64,), 100), 1) is None  # one thread
+    assert lane_bounds(torch.full((64,), 100), LANE_MAX_THREADS + 1) is None  # many threads
     assert lane_bounds(torch.full((24,), 300), 2).tolist() == [0, 12, 24]
-    assert lane_bounds(torch.full((40,), 300), 8).tolist() == [0, 8, 16, 24, 32, 40]
     # the long contexts go to a lane of fewer rows
     uneven = lane_bounds(torch.tensor([50] * 12 + [2000] * 12), 2).tolist()
     assert uneven[0] == 0 and uneven[2] == 24 and 12 < uneven[1] < 24

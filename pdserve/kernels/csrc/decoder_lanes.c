@@ -24,7 +24,7 @@ int decoder_lanes_f32(float *x, int64_t T, const decoder_shape *s, const layer_w
                       int64_t num_lanes)
 {
     if (num_lanes < 1 || T < 1 || b->num_prefills || b->num_decodes != T || b->output_rows
-            || s->head_dim < 2 || bounds[0] != 0 || bounds[num_lanes] != T)
+            || bounds[0] != 0 || bounds[num_lanes] != T)
         return DL_UNSUPPORTED;
     for (int64_t i = 0; i < num_lanes; i++)
         if (bounds[i + 1] <= bounds[i]) return DL_UNSUPPORTED;
