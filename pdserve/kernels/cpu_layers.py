@@ -27,9 +27,9 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 # A step of decodes alone runs in lanes, one per compute thread (csrc/decoder_lanes.c), when
 # every lane gets at least this many rows: each lane streams every weight, so a lane of a few
-# rows is mostly that stream (an earlier version of lanes ran 7-12% slower than the
-# step-wide loop under 8 rows a lane: benchmarks/results/vs_vllm.md).
-LANE_MIN_ROWS = 8
+# rows is mostly that stream. Alone, on two threads: 6 and 8 rows level with the step-wide
+# loop (within 3%), 12 and 14 rows 0-11% faster (benchmarks/results/disagg_vs_colocated.md).
+LANE_MIN_ROWS = 6
 # Lanes are measured on two compute threads only. Each lane streams every weight, so more lanes
 # multiply the weight traffic of a step that several threads would otherwise share.
 LANE_MAX_THREADS = 2
