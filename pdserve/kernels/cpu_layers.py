@@ -193,14 +193,15 @@ def lane_bounds(lens: torch.Tensor, threads: int) -> torch.Tensor | None:
     """Where a step of decodes alone with contexts `lens` (B,) splits into one lane a thread:
     (threads + 1,) increasing offsets from 0 to B, or None to run it step-wide (one thread,
     more than LANE_MAX_THREADS, or fewer than LANE_MIN_ROWS rows a lane)."""
-    num_lanes = threads
-    if not 2 <= num_lanes <= LANE_MAX_THREADS or lens.numel() < num_lanes * LANE_MIN_ROWS:
+    num_lanes, B = threads, lens.numel()
+    if not 2 <= num_lanes <= LANE_MAX_THREADS or B < num_lanes * LANE_MIN_ROWS:
         return None
-    cost = torch.cumsum(lens + LANE_ROW_COST_TOKENS, 0)  # (B,)
-    targets = cost[-1] * torch.arange(1, num_lanes, dtype=cost.dtype) // num_lanes
-    inner = torch.searchsorted(cost, targets).tolist()
-    bounds, B = [0], lens.numel()
-    for i, b in enumerate(inner, start=1):  # at least one row a lane, in order
-        bounds.append(min(max(b + 1, bounds[-1] + 1), B - (num_lanes - i)))
+    costs = [n + LANE_ROW_COST_TOKENS for n in lens.tolist()]
+    total, bounds, done = sum(costs), [0], 0
+    for row in range(1, B):  # cut where the cost so far reaches the next share of the total
+        done += costs[row - 1]
+        left = num_lanes - len(bounds)  # lanes still to start
+        if left and (done * num_lanes >= total * len(bounds) or B - row == left):
+            bounds.append(row)  # (the second test keeps a row for every lane)
     bounds.append(B)
     return torch.tensor(bounds, dtype=torch.int64)

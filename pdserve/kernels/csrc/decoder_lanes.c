@@ -28,11 +28,11 @@ int decoder_lanes_f32(float *x, int64_t T, const decoder_shape *s, const layer_w
         return DL_UNSUPPORTED;
     for (int64_t i = 0; i < num_lanes; i++)
         if (bounds[i + 1] <= bounds[i]) return DL_UNSUPPORTED;
-    /* what the step-wide loop checks before it writes anything, for the whole step */
-    for (int64_t t = 0; t < T; t++) {
-        if (b->slots[t] < 0 || b->slots[t] >= num_blocks * bs) return DL_BAD_SLOT;
+    /* the whole step, as the step-wide loop checks it before it writes anything */
+    const int bad = decoder_check_step(T, s, num_blocks, bs, b);
+    if (bad) return bad;
+    for (int64_t t = 0; t < T; t++)
         if (b->decode_rows[t] != t) return DL_BAD_DECODE;
-    }
     int64_t *row_ids = malloc(sizeof(int64_t) * T);
     step_batch *lanes = malloc(sizeof(step_batch) * num_lanes);
     int *codes = malloc(sizeof(int) * num_lanes);

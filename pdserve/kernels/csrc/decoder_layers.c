@@ -75,13 +75,10 @@ static float *scratch_alloc(int64_t floats)
     return aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
 }
 
-int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_weights *layers,
-                       float *kv, int64_t num_blocks, int64_t bs, const float *cos,
-                       const float *sin, const step_batch *b, int num_threads)
+int decoder_check_step(int64_t T, const decoder_shape *s, int64_t num_blocks, int64_t bs,
+                       const step_batch *b)
 {
-    const int64_t H = s->hidden, h = s->heads, kvh = s->kv_heads, d = s->head_dim;
-    const int64_t I = s->intermediate, Q = (h + 2 * kvh) * d, kv_width = kvh * d;
-    const int64_t coded = s->coded_max_rows;
+    const int64_t h = s->heads, kvh = s->kv_heads, d = s->head_dim;
     if ((d != 64 && d != 128) || kvh < 1 || h % kvh || bs < 1 || T < 1) return DL_UNSUPPORTED;
     for (int64_t t = 0; t < T; t++)
         if (b->slots[t] < 0 || b->slots[t] >= num_blocks * bs) return DL_BAD_SLOT;
@@ -93,6 +90,18 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
     for (int64_t i = 0; b->output_rows && i < b->num_outputs; i++)
         if (b->output_rows[i] < (i ? b->output_rows[i - 1] + 1 : 0) || b->output_rows[i] >= T)
             return DL_BAD_OUTPUT;
+    return 0;
+}
+
+int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_weights *layers,
+                       float *kv, int64_t num_blocks, int64_t bs, const float *cos,
+                       const float *sin, const step_batch *b, int num_threads)
+{
+    const int64_t H = s->hidden, h = s->heads, kvh = s->kv_heads, d = s->head_dim;
+    const int64_t I = s->intermediate, Q = (h + 2 * kvh) * d, kv_width = kvh * d;
+    const int64_t coded = s->coded_max_rows;
+    const int bad = decoder_check_step(T, s, num_blocks, bs, b);
+    if (bad) return bad;
     float *normed = scratch_alloc(T * H), *qkv = scratch_alloc(T * Q);
     float *attn = scratch_alloc(T * h * d), *tmp = scratch_alloc(T * H);
     float *gu = scratch_alloc(T * 2 * I), *act = scratch_alloc(T * I);

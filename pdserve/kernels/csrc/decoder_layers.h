@@ -43,6 +43,10 @@ enum {
     DL_BAD_OUTPUT = -6,   /* output rows not strictly increasing within the step */
 };
 
+/* 0, or the error code of what in the step does not fit the shape, the cache or its own
+ * rows; decode block tables and lengths are left to the attention kernel. */
+int decoder_check_step(int64_t T, const decoder_shape *s, int64_t num_blocks, int64_t bs,
+                       const step_batch *b);
 /* Every layer on x (T, hidden), in place. With output rows, the last layer runs for those rows
  * alone and leaves their states in x's first num_outputs rows (decoder_layers.c). */
 int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_weights *layers,
