@@ -38,50 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from pdserve import LLM, SamplingParams, TokensPrompt  # noqa: E402
-
-_WORDS_SEED_TEXT = (
-    "the of and to in a is that for it as was with be by on not he i this are or his from at "
-    "which but have an they you were her she there had been one all we their has would when "
-    "what more if will so no can who out said time about up into some could them other than "
-    "then now only its over also new after first two may any these like people years most "
-    "made such where way many before must through back well much should because each just "
-    "those how too work between own under little very life world still year being long day "
-    "great same right down house another while three state never city part old during "
-    "against place without number school around system however country water small found "
-    "large again high government public local family second general every left power night "
-    "hand point study child morning light river history question mountain village market "
-    "language music science garden winter summer window story problem energy machine paper"
-).split()
-
-
-def make_corpus(tokenizer, seed: int, num_tokens: int) -> list[int]:
-    """A fixed pseudo-English text (sentences of common words), tokenized once."""
-    rng = random.Random(seed)
-    weights = [1.0 / (i + 1) for i in range(len(_WORDS_SEED_TEXT))]  # Zipf-like
-    sentences: list[str] = []
-    total = 0
-    while total < num_tokens * 1.1:
-        n = rng.randint(6, 20)
-        words = rng.choices(_WORDS_SEED_TEXT, weights, k=n)
-        sentence = " ".join(words).capitalize() + rng.choice([".", ".", ".", ",", "?", ";"])
-        sentences.append(sentence)
-        total += n + 1
-    ids = tokenizer.encode(" ".join(sentences), add_special_tokens=False)
-    if len(ids) < num_tokens:
-        raise RuntimeError("corpus too short")
-    return ids
-
-
-def mixed_workload(corpus: list[int], args, rng: random.Random):
-    """(prompt token ids, output length) per request; prompts start at distinct offsets."""
-    reqs = []
-    starts = rng.sample(range(len(corpus) - args.max_prompt), args.num_requests)
-    for start in starts:
-        p = rng.randint(args.min_prompt, args.max_prompt)
-        o = rng.randint(args.min_output, args.max_output)
-        reqs.append((corpus[start:start + p], o))
-    return reqs
-
+from text_workload import text_workload  # noqa: E402
 
 # --------------------------------------------------------------------------- pdserve
 
@@ -246,10 +203,9 @@ def main() -> None:
     tok = llm.get_tokenizer()
     sched = llm.llm_engine.config.scheduler
 
-    rng = random.Random(args.seed)
-    corpus = make_corpus(tok, args.seed, args.num_requests * args.max_prompt // 4
-                         + 2 * args.max_prompt)
-    reqs = mixed_workload(corpus, args, rng)
+    corpus, reqs = text_workload(tok, args.seed, args.num_requests,
+                                 (args.min_prompt, args.max_prompt),
+                                 (args.min_output, args.max_output))
     vocab_ids = sorted(set(corpus))
 
     # Warm-up (allocator, lazy inits) on a few requests outside the timed runs.

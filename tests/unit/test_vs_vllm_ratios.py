@@ -62,3 +62,16 @@ def test_serving_ratios_and_failed_runs_left_out(vs_vllm):
     assert r["serving_c8_tpot_p50"] == pytest.approx(0.5)
     assert r["serving_c8_itl_p99"] == pytest.approx(1.25)
     assert not any(k.startswith("serving_c32") for k in r)
+
+
+def test_text_workload_ratio_needs_the_same_requests(vs_vllm):
+    def run(engine, tok_per_s, sha):
+        return _run(engine, tok_per_s, tok_per_s / 2) | {"requests_sha": sha}
+
+    report = {"text": [run("pdserve", 330, "a1"), run("vllm", 220, "a1")],
+              "offline": [run("pdserve", 400, "b1"), run("vllm", 300, "b2")],
+              "decode": [], "prefill": [], "decode_ceiling_tok_per_s": 1.0, "serving": {}}
+    r = vs_vllm.ratios(report)
+    assert r["text_tok_per_s"] == pytest.approx(1.5)
+    assert r["text_tok_per_cpu_s"] == pytest.approx(1.5)
+    assert "offline_tok_per_s" not in r  # the two systems ran different requests
