@@ -5,10 +5,10 @@ Workloads (random token ids from [100, vocab), fixed seed, greedy, `ignore_eos`)
 - `offline`: `--num-requests` prompts of 32-512 tokens, outputs of 16-256 tokens.
 - `decode`: 64 prompts of 64 tokens, 128 tokens each (decode-heavy).
 - `prefill`: cold prefill, 3 prompts of 2,000 tokens, one at a time, 1 output token each
-  (`s_per_request`: the mean time of one; the warm-up's prompt shares no prefix with them).
+  (`s_per_request`: the mean time of one).
 - `text`: `offline_throughput.py`'s mixed workload (`text_workload.py`): 64 windows of 32-512
-  tokens of a fixed English-like text, outputs of 16-256 tokens; the warm-up shares no prefix
-  with them.
+  tokens of a fixed English-like text, outputs of 16-256 tokens.
+The warm-up's prompts share no prefix with the timed ones (`cached_prompt_tokens` reports hits).
 `requests_sha` fingerprints the requests, so runs in the two systems can be checked to be alike.
 Both systems' KV caches are resident from the start (vLLM's CPU build always zero-fills its
 cache; pdserve is given `kv_cache_prefault`), so neither pays first-use page faults in the
@@ -72,9 +72,9 @@ def main() -> None:
         reqs = workload(args.workload, args.num_requests or 48, len(tokenizer), args.seed)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
-    warm = prompts[:2]
-    if args.workload == "text":  # random ids: no prefix block in common with the timed prompts
-        warm = [{"prompt_token_ids": ids} for ids, _ in workload("offline", 2, 1000, 1)]
+    # random ids of another seed: no prefix block in common with the timed prompts
+    warm = [{"prompt_token_ids": ids} for ids, _ in
+            workload("offline", 2, len(tokenizer), args.seed + 1)]
     if args.workload == "prefill":  # the first prompt warms up; the others are timed cold
         warm, prompts, params, reqs = prompts[:1], prompts[1:], params[1:], reqs[1:]
     llm.generate(warm, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
