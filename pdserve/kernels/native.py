@@ -52,6 +52,8 @@ _SIGNATURES = {
     "silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # x, x_stride, rows, panels, n, k, bias (or NULL), out, out_stride, num_threads
     "linear_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int],
+    # x, x_stride, rows, panels (of 2n outputs), n, k, out, out_stride, num_threads
+    "linear_silu_mul_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int],
     # x, x_stride, rows, codes, params, code_bits, n, k, bias (or NULL), out, out_stride,
     # num_threads
     "linear_coded_f32": [_ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr,

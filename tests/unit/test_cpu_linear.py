@@ -120,3 +120,38 @@ def test_packed_model_matches_plain_model():
         x = torch.randn(5, 64)
         for a, b in zip(packed.layers, plain.layers):
             torch.testing.assert_close(a.mlp(x), b.mlp(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+@pytest.mark.parametrize("n,k,rows", [
+    (32, 7, 1),        # one pair of panels
+    (96, 40, 17),      # three pairs, row groups of uneven size
+    (64, 2048, 150),   # rows in several cache blocks
+    (1536, 576, 64),   # SmolLM2's MLP at a step's size
+])
+def test_silu_mul_panels_match_the_two_kernels_bit_for_bit(n, k, rows):
+    lib = native.load()
+    g = torch.Generator().manual_seed(n + rows)
+    weight = torch.randn(2 * n, k, generator=g) / k ** 0.5  # gate rows, then up rows
+    x = torch.randn(rows, k + 2, generator=g)[:, 1:k + 1]  # strided rows
+    panels = pack_panels(weight)
+    gate_up, two_kernels, fused = (torch.empty(rows, 2 * n), torch.empty(rows, n),
+                                   torch.full((rows, n), float("nan")))
+    lib.linear_f32(x.data_ptr(), x.stride(0), rows, panels.data_ptr(), 2 * n, k, None,
+                   gate_up.data_ptr(), 2 * n, 2)
+    lib.silu_mul_f32(gate_up.data_ptr(), 2 * n, two_kernels.data_ptr(), n, rows, n, 2)
+    assert lib.linear_silu_mul_f32(x.data_ptr(), x.stride(0), rows, panels.data_ptr(), n, k,
+                                   fused.data_ptr(), n, 2) == 0
+    assert torch.equal(fused, two_kernels)
+    ref = x.double() @ weight.double().T
+    want = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+    torch.testing.assert_close(fused.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+def test_silu_mul_panels_refuse_a_width_that_is_not_whole_panels():
+    panels = pack_panels(torch.randn(2 * 40, 8))
+    x, out = torch.randn(3, 8), torch.zeros(3, 40)
+    assert native.load().linear_silu_mul_f32(x.data_ptr(), 8, 3, panels.data_ptr(), 40, 8,
+                                             out.data_ptr(), 40, 2) == -1
+    assert not out.any()  # nothing written

@@ -8,6 +8,7 @@
  *   rotary on q and k (in place)             k, v -> their cache slots
  *   attn = paged attention (decodes, then each prefill span)              (T, h d)
  *   x += attn W_o, normed = rms_norm(x)      x += down(silu(gate) * up)
+ * (silu(gate) * up in one pass with the gate/up projection where the float32 panels serve).
  * The caches of all layers are one array (layers, 2, blocks, block_size, kvh, d).
  *
  * Where the step names its output rows (the tokens whose final states it samples or pools),
@@ -149,9 +150,13 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
         project(attn, rows, w->o, w->o_codes, w->o_params, w->o_bits, H, h * d, NULL, tmp, coded,
                 num_threads);
         add_rms_norm_f32(x, H, tmp, H, w->post_norm, normed, H, rows, H, s->eps, num_threads);
-        project(normed, rows, w->gate_up, w->gate_up_codes, w->gate_up_params, w->gate_up_bits,
-                2 * I, H, NULL, gu, coded, num_threads);
-        silu_mul_f32(gu, 2 * I, act, I, rows, I, num_threads);
+        /* on the panels in one pass, where they serve and the width allows */
+        if ((w->gate_up_codes && rows <= coded)
+                || linear_silu_mul_f32(normed, H, rows, w->gate_up, I, H, act, I, num_threads)) {
+            project(normed, rows, w->gate_up, w->gate_up_codes, w->gate_up_params,
+                    w->gate_up_bits, 2 * I, H, NULL, gu, coded, num_threads);
+            silu_mul_f32(gu, 2 * I, act, I, rows, I, num_threads);
+        }
         project(act, rows, w->down, w->down_codes, w->down_params, w->down_bits, H, I, NULL, tmp,
                 coded, num_threads);
         add_in_place(x, tmp, rows * H, num_threads);

@@ -56,14 +56,8 @@ void silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t out_st
         const float *g = gu + r * gu_stride, *u = g + n;
         float *o = out + r * out_stride;
         int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            const v16 gv = load16(g + i);
-            store16(o + i, gv / (SPLAT(1.0f) + exp16(-gv)) * load16(u + i));
-        }
-        for (; i < n; i++) {
-            v16 gv = SPLAT(g[i]);
-            o[i] = (gv / (SPLAT(1.0f) + exp16(-gv)))[0] * u[i];
-        }
+        for (; i + 16 <= n; i += 16) store16(o + i, silu_mul16(load16(g + i), load16(u + i)));
+        for (; i < n; i++) o[i] = silu_mul16(SPLAT(g[i]), SPLAT(u[i]))[0];
     }
 }
 

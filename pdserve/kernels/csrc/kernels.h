@@ -19,6 +19,11 @@ void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
                 const float *cos, const float *sin, int num_threads);
 void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *panels, int64_t n,
                 int64_t k, const float *bias, float *out, int64_t out_stride, int num_threads);
+/* out = silu(gate) * up, (rows, n), where gate_up = x W^T on panels of 2n outputs (gate, then
+ * up): linear_f32 and silu_mul_f32 in one pass, bit for bit. -1 (nothing done) unless n is a
+ * multiple of 32. */
+int linear_silu_mul_f32(const float *x, int64_t x_stride, int64_t rows, const float *panels,
+                        int64_t n, int64_t k, float *out, int64_t out_stride, int num_threads);
 int linear_coded_supported(void);
 void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void *codes,
                       const void *params, int code_bits, int64_t n, int64_t k,

@@ -73,6 +73,10 @@ static inline v16 exp16(v16 x)
     return exp16_from(x, ni);
 }
 
+/* silu(g) * u = g / (1 + e^-g) * u: one expression for every kernel that computes it, so
+ * they agree bit for bit. */
+static inline v16 silu_mul16(v16 g, v16 u) { return g / (SPLAT(1.0f) + exp16(-g)) * u; }
+
 /* e^x for x <= 0 (softmax's arguments), exactly 0 below -87 (so e^-inf is 0). Cheaper than
  * exp16: x / ln 2 - 1/2 is negative, so one conversion (toward zero) rounds x / ln 2. */
 static inline v16 exp16_nonpos(v16 x)
