@@ -44,13 +44,19 @@ static void write_kv(const float *qkv, int64_t qkv_stride, int64_t T, const int6
     }
 }
 
+/* Whether T rows run on a weight's codes (it has them, and the rows are few) or its panels. */
+static int on_codes(const void *codes, int64_t T, int64_t coded_max_rows)
+{
+    return codes && T <= coded_max_rows;
+}
+
 /* out = x W^T (+ b) on the coded weight for a step's few rows, else on the float32 panels:
  * the same results either way (linear_coded.c). */
 static void project(const float *x, int64_t T, const float *panels, const void *codes,
                     const void *params, int64_t bits, int64_t n, int64_t k, const float *bias,
                     float *out, int64_t coded_max_rows, int num_threads)
 {
-    if (codes && T <= coded_max_rows)
+    if (on_codes(codes, T, coded_max_rows))
         linear_coded_f32(x, k, T, codes, params, (int)bits, n, k, bias, out, n, num_threads);
     else
         linear_f32(x, k, T, panels, n, k, bias, out, n, num_threads);
@@ -151,7 +157,7 @@ int decoder_layers_f32(float *x, int64_t T, const decoder_shape *s, const layer_
                 num_threads);
         add_rms_norm_f32(x, H, tmp, H, w->post_norm, normed, H, rows, H, s->eps, num_threads);
         /* on the panels in one pass, where they serve and the width allows */
-        if ((w->gate_up_codes && rows <= coded)
+        if (on_codes(w->gate_up_codes, rows, coded)
                 || linear_silu_mul_f32(normed, H, rows, w->gate_up, I, H, act, I, num_threads)) {
             project(normed, rows, w->gate_up, w->gate_up_codes, w->gate_up_params,
                     w->gate_up_bits, 2 * I, H, NULL, gu, coded, num_threads);
