@@ -4,8 +4,10 @@ Colocated: one decode instance that prefills everything itself (the router's dis
 threshold set above every prompt). 1P1D: a prefill and a decode instance, every prompt
 disaggregated (threshold 0), both on every core, taking turns to compute steps as `pdserve up`
 runs them (cpu_turns.py); 1P1D split: each on its own share of the cores; 1P1D shared: both on
-every core without turns. All are driven through `Router.Generate` by the same closed-loop
-clients, so the ratios compare only the serving topology.
+every core without turns. `--disagg-min-running 12` gives the 1P1D topologies `pdserve up`'s
+rule for shared cores instead: a prompt is disaggregated only while the decode instance runs 12
+requests or more. All are driven through `Router.Generate` by the same closed-loop clients, so
+the ratios compare only the serving topology.
 
     python benchmarks/disagg_vs_colocated.py --rounds 2 \
         --out benchmarks/results/disagg_vs_colocated_turns.json
@@ -86,6 +88,7 @@ def run(topology: str, args, requests) -> dict:
                        num_decode=1, connector=args.connector, grpc_port=0,
                        disagg_threshold=0 if disagg else 10**9,
                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                       disagg_min_running=args.disagg_min_running if disagg else 0,
                        cpu_sharing=SHARING[topology])
     with Cluster(spec) as cluster:
         return drive(cluster.router_address, requests, args.concurrency)
@@ -99,6 +102,9 @@ def main() -> None:
     parser.add_argument("--connector", default="shm")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disagg-min-running", type=int, default=0,
+                        help="1P1D: requests the decode instance must already run for a prompt "
+                             "to be disaggregated (0: every prompt is)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every topology this many times, interleaved, the order "
                              "reversed in every other round")
@@ -118,7 +124,8 @@ def main() -> None:
               for t in topologies if t != "colocated" and "colocated" in topologies}
     report = {"workload": {"requests": args.requests, "concurrency": args.concurrency,
                            "prompt_tokens": "128-512", "output_tokens": "32-96",
-                           "model": args.model, "connector": args.connector},
+                           "model": args.model, "connector": args.connector,
+                           "disagg_min_running": args.disagg_min_running},
               "load_before": load_before, "load_after": os.getloadavg(), "rounds": rounds,
               "ratios": ratios}
     print(json.dumps(report, indent=2))

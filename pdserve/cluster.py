@@ -33,6 +33,11 @@ from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
 
 CPU_SHARING = ("turns", "split", "shared")  # ClusterSpec.cpu_sharing
+# `pdserve up`'s --disagg-min-running where prefill and decode compute on the same cores: a
+# decode instance running fewer requests prefills prompts itself. Measured on 2 cores: a decode
+# row costs 12-20% more in a step of 7 decodes alone than beside a prompt chunk, and the
+# step-wide decode of 12 rows or more runs in lanes (benchmarks/results/disagg_vs_colocated.md).
+SHARED_CORES_DISAGG_MIN_RUNNING = 12
 SHM_DIR = "/dev/shm"  # where shm instances keep their KV segments (ShmTransport's default)
 
 
@@ -60,6 +65,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     disagg_threshold: int = 64
+    disagg_min_running: int = 0  # the router's --disagg-min-running
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     redis_url: str | None = None
@@ -82,6 +88,9 @@ class ClusterSpec:
     cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.disagg_threshold < 0 or self.disagg_min_running < 0:
+            raise ValueError(f"disagg_threshold and disagg_min_running must be >= 0, got "
+                             f"{self.disagg_threshold} and {self.disagg_min_running}")
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError(f"num_prefill must be >= 0 and num_decode >= 1, got "
                              f"{self.num_prefill} and {self.num_decode}")
@@ -179,7 +188,8 @@ class Cluster:
         addresses = {name: f"{dial}:{free_port(dial)}" for name, _ in planned}
         router_cmd = ["router", "--model", s.model, "--host", s.host,
                       "--grpc-port", self.router_address.rsplit(":", 1)[1],
-                      "--disagg-threshold", str(s.disagg_threshold), *s.router_args]
+                      "--disagg-threshold", str(s.disagg_threshold),
+                      "--disagg-min-running", str(s.disagg_min_running), *s.router_args]
         for name, role in planned:
             router_cmd += [f"--{role}", addresses[name]]
         if s.redis_url:

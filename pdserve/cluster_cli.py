@@ -18,7 +18,13 @@ import secrets
 import signal
 import sys
 
-from pdserve.cluster import CPU_SHARING, Cluster, ClusterError, ClusterSpec
+from pdserve.cluster import (
+    CPU_SHARING,
+    SHARED_CORES_DISAGG_MIN_RUNNING,
+    Cluster,
+    ClusterError,
+    ClusterSpec,
+)
 from pdserve.cpu_budget import parse_cores
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.server import tool_parser_from_args
@@ -79,6 +85,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--grpc-port", type=int, default=ClusterSpec.grpc_port,
                    help="the router's port (0 picks a free one)")
     p.add_argument("--disagg-threshold", type=int, default=ClusterSpec.disagg_threshold)
+    p.add_argument("--disagg-min-running", type=int, default=None,
+                   help="requests the decode instance must already run for a prompt to go "
+                        "through a prefill instance (default: "
+                        f"{SHARED_CORES_DISAGG_MIN_RUNNING} when the engines share cores, "
+                        "0 with --cpu-sharing split)")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--startup-timeout-s", type=float, default=ClusterSpec.startup_timeout_s)
     p.add_argument("--log-dir", default=None)
@@ -95,6 +106,15 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=run_up)
 
 
+def default_min_running(given: int | None, cpu_sharing: str) -> int:
+    """--disagg-min-running as given, else by how the engines share the cores: where a prompt
+    on the prefill instance would take the decode instance's cores anyway, one beside a few
+    decodes is cheaper there."""
+    if given is not None:
+        return given
+    return 0 if cpu_sharing == "split" else SHARED_CORES_DISAGG_MIN_RUNNING
+
+
 def run_up(args: argparse.Namespace) -> int:
     setup_from_args(args)
     # A fresh secret for this cluster's internal plane, unless the caller set one.
@@ -102,7 +122,9 @@ def run_up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
         connector=args.connector, host=args.host, grpc_port=args.grpc_port,
-        disagg_threshold=args.disagg_threshold, redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
+        disagg_threshold=args.disagg_threshold,
+        disagg_min_running=default_min_running(args.disagg_min_running, args.cpu_sharing),
+        redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
         log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
         api_key=args.api_key, cluster_secret=secret, log_level=args.log_level,
         log_format=args.log_format, instance_args=tuple(engine_flags(args)),

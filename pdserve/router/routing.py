@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.block_hash import hash_blocks
+from pdserve.router.in_flight import InFlight
 from pdserve.router.picker import PickerConfig, WeightedPicker
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.scorers import RoutingRequest, should_disaggregate, uncached_tokens
@@ -29,6 +30,9 @@ class RouterConfig:
 
     model: str = "SmolLM2-135M-Instruct"  # for the tokenizer (same as the instances')
     disagg_threshold: int = 64  # uncached prompt tokens from which a prompt goes through P
+    # Requests a decode instance must already run for a prompt to go through P (0: any); below
+    # it, D prefills the prompt beside its few decodes (scorers/disaggregation.py says why).
+    disagg_min_running: int = 0
     prefill_attempts: int = 2  # prefill instances tried before prefilling on D
     decode_attempts: int = 2  # decode instances tried while none has sent anything
     embed_attempts: int = 2  # instances tried for an embedding
@@ -54,8 +58,9 @@ class RouterConfig:
                                              kv_usage_weight=1.0))
 
     def __post_init__(self) -> None:
-        if self.disagg_threshold < 0:
-            raise ValueError(f"disagg_threshold must be >= 0, got {self.disagg_threshold}")
+        if self.disagg_threshold < 0 or self.disagg_min_running < 0:
+            raise ValueError(f"disagg_threshold and disagg_min_running must be >= 0, got "
+                             f"{self.disagg_threshold} and {self.disagg_min_running}")
         if self.prefill_attempts < 0 or self.max_migrations < 0:
             raise ValueError("prefill_attempts and max_migrations must be >= 0")
         if self.decode_attempts < 1 or self.embed_attempts < 1:
@@ -89,21 +94,30 @@ class Planner:
         self.config = config
         self.registry = registry
         self.prefix_matches = prefix_matches
+        self.in_flight = InFlight()  # request flows hold their decode instance's count
         # Separate pickers, so that one kind of pick does not shift another's tie rotation.
         self.decode_picker = WeightedPicker.from_config(config.picker)
         self.prefill_picker = WeightedPicker.from_config(config.picker)
         self.pooling_picker = WeightedPicker.from_config(config.picker)
 
     def plan(self, prompt_ids: Sequence[int], n: int) -> Plan:
-        """Pick D; disaggregate when n == 1 and enough of the prompt is uncached on D."""
+        """Pick D; disaggregate when n == 1, enough of the prompt is uncached on D and D runs
+        enough requests already."""
         request = self.routing_request(prompt_ids)
         decode = self.pick_decode(request)
         if decode is None:
             raise NoDecodeInstance("no healthy decode instance")
         uncached = uncached_tokens(len(prompt_ids), request.prefix_matches.get(decode.id, 0),
                                    self.registry.block_size())
-        disaggregate = n == 1 and should_disaggregate(uncached, self.config.disagg_threshold)
+        disaggregate = n == 1 and should_disaggregate(
+            uncached, self.config.disagg_threshold, self.decode_running(decode),
+            self.config.disagg_min_running)
         return Plan(decode, disaggregate, request)
+
+    def decode_running(self, decode: Instance) -> int:
+        """Requests on `decode`: its last load report's, or this router's count if larger."""
+        reported = decode.view.running_requests + decode.view.queued_requests
+        return max(reported, self.in_flight.count(decode.id))
 
     def routing_request(self, prompt_ids: Sequence[int]) -> RoutingRequest:
         """What scorers see of a prompt: its length, its blocks, who holds their prefix."""

@@ -156,6 +156,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--disagg-threshold", type=int, default=RouterConfig.disagg_threshold,
                    help="uncached prompt tokens from which a prompt is prefilled on a prefill "
                         "instance (0: always)")
+    p.add_argument("--disagg-min-running", type=int, default=RouterConfig.disagg_min_running,
+                   help="requests a decode instance must already run for a prompt to go "
+                        "through a prefill instance; below, it prefills the prompt itself "
+                        "(0: however few)")
     p.add_argument("--prefill-attempts", type=int, default=RouterConfig.prefill_attempts)
     p.add_argument("--prefill-timeout-s", type=float, default=RouterConfig.prefill_timeout_s,
                    help="how often a running prefill's instance is probed for liveness; a "
@@ -178,6 +182,7 @@ def add_cli(subparsers) -> None:
 def run_router(args: argparse.Namespace) -> int:
     setup_from_args(args)
     config = RouterConfig(model=args.model, disagg_threshold=args.disagg_threshold,
+                          disagg_min_running=args.disagg_min_running,
                           prefill_attempts=args.prefill_attempts,
                           prefill_timeout_s=args.prefill_timeout_s,
                           max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,

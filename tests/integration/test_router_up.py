@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.cluster import SHARED_CORES_DISAGG_MIN_RUNNING
 from pdserve.cpu_budget import available_cores
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -80,7 +81,7 @@ def read_until(proc, marker, timeout):
 
 def test_up_serves_and_sigterm_leaves_no_process(tiny_model_dir, tmp_path):
     proc = start_up(tiny_model_dir, tmp_path, "--num-prefill", "1", "--num-decode", "1",
-                    "--disagg-threshold", "16")
+                    "--disagg-threshold", "16", "--disagg-min-running", "0")
     try:
         lines = read_until(proc, "ready", timeout=120)
         assert lines[0].split() == ["logs", str(tmp_path)]  # first: readable while it starts
@@ -127,6 +128,12 @@ def test_children_die_with_a_killed_parent(tiny_model_dir, tmp_path):
             time.sleep(0.05)
         pids = children(proc.pid)
         assert len(pids) == 4
+        # The engines share the cores (turns), so the router keeps prompts on a decode
+        # instance running fewer than 12 requests.
+        cmdlines = [Path(f"/proc/{pid}/cmdline").read_text().split("\0") for pid in pids]
+        router_cmd = next(c for c in cmdlines if "router" in c)
+        flag = router_cmd.index("--disagg-min-running")
+        assert router_cmd[flag + 1] == str(SHARED_CORES_DISAGG_MIN_RUNNING)
     finally:
         proc.kill()
         proc.wait(10)
