@@ -37,14 +37,15 @@ def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
 
 def one_request(stub, ids: list[int], max_tokens: int) -> dict:
     start = time.perf_counter()
-    stamps = []
+    stamps, disaggregated = [], False
     for msg in stub.Generate(router_pb2.GenerateRequest(
             token_ids=router_pb2.TokenIds(ids=ids), sampling=common_pb2.SamplingParams(
                 temperature=0, max_tokens=max_tokens, ignore_eos=True)), timeout=600):
         stamps.extend([time.perf_counter()] * len(msg.token_ids))
+        disaggregated |= msg.served_by.disaggregated
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
     return {"ttft": stamps[0] - start, "itl": gaps, "tokens": len(stamps),
-            "e2e": stamps[-1] - start}
+            "e2e": stamps[-1] - start, "disaggregated": disaggregated}
 
 
 def drive(address: str, requests, concurrency: int) -> dict:
@@ -75,7 +76,8 @@ def drive(address: str, requests, concurrency: int) -> dict:
     return {"requests": len(results), "output_tokens_per_s": sum(r["tokens"] for r in results)
             / wall, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99), "wall_s": wall,
-            "ttft_mean_s": statistics.mean(ttft)}
+            "ttft_mean_s": statistics.mean(ttft),
+            "disaggregated_share": sum(r["disaggregated"] for r in results) / len(results)}
 
 
 SHARING = {"colocated": "turns", "1p1d": "turns", "1p1d_split": "split",
