@@ -35,8 +35,8 @@ from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
 CPU_SHARING = ("turns", "split", "shared")  # ClusterSpec.cpu_sharing
 # `pdserve up`'s --disagg-min-running where prefill and decode compute on the same cores: a
 # decode instance running fewer requests prefills prompts itself. Measured on 2 cores: a decode
-# row costs 12-20% more in a step of 7 decodes alone than beside a prompt chunk, and the
-# step-wide decode of 12 rows or more runs in lanes (benchmarks/results/disagg_vs_colocated.md).
+# row costs 12-20% more in a step of 7 decodes alone than beside a prompt chunk, and a step of
+# 12 decodes or more runs in lanes (benchmarks/results/disagg_vs_colocated.md, last section).
 SHARED_CORES_DISAGG_MIN_RUNNING = 12
 SHM_DIR = "/dev/shm"  # where shm instances keep their KV segments (ShmTransport's default)
 

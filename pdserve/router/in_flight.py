@@ -3,7 +3,8 @@
 The instances' own load reports arrive once a second; a burst of requests routed in between
 would all read the same stale count. This count moves with every request, so the routing
 rules that look at a decode instance's load (`RouterConfig.disagg_min_running`) read the
-larger of the two.
+larger of the two. A request that migrates to another decode instance stays counted on its
+first one until it ends.
 """
 
 from __future__ import annotations

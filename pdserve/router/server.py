@@ -181,12 +181,15 @@ def add_cli(subparsers) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     setup_from_args(args)
-    config = RouterConfig(model=args.model, disagg_threshold=args.disagg_threshold,
-                          disagg_min_running=args.disagg_min_running,
-                          prefill_attempts=args.prefill_attempts,
-                          prefill_timeout_s=args.prefill_timeout_s,
-                          max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
-                          max_migrations=args.max_migrations)
+    try:
+        config = RouterConfig(model=args.model, disagg_threshold=args.disagg_threshold,
+                              disagg_min_running=args.disagg_min_running,
+                              prefill_attempts=args.prefill_attempts,
+                              prefill_timeout_s=args.prefill_timeout_s,
+                              max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
+                              max_migrations=args.max_migrations)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     index = (create_prefix_index(PrefixIndexConfig("redis", args.redis_url))
              if args.redis_url else None)
     try:

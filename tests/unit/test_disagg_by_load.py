@@ -73,3 +73,10 @@ def test_pdserve_up_default_depends_on_core_sharing():
     assert default_min_running(None, "shared") == SHARED_CORES_DISAGG_MIN_RUNNING
     assert default_min_running(None, "split") == 0
     assert default_min_running(5, "split") == 5 and default_min_running(0, "turns") == 0
+
+
+def test_router_cli_names_a_negative_min_running():
+    from pdserve.cli import main as cli_main
+
+    with pytest.raises(SystemExit, match="disagg_min_running must be >= 0"):
+        cli_main(["router", "--disagg-min-running", "-1"])
