@@ -151,13 +151,12 @@ class GenerateFlow:
             plan = self.core.planner.plan(prompt_ids, params.n)
         except NoDecodeInstance as e:
             self._abort(Code.UNAVAILABLE, str(e))
-        with self.core.planner.in_flight.holding(plan.decode.id):
+        with self.core.planner.open_requests.holding(plan.decode.id):
             first = self._prefill(plan, prompt_ids) if plan.disaggregate else None
             if first is not None:
                 yield self._first_message(first, prompt_ids, params, plan.decode.id)
-                if first.finish_reason:
-                    return
-            yield from self._decode(plan, prompt_ids, params, first)
+            if first is None or not first.finish_reason:
+                yield from self._decode(plan, prompt_ids, params, first)
 
     def _validate(self) -> tuple[list[int], SamplingParams]:
         try:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.block_hash import hash_blocks
-from pdserve.router.in_flight import InFlight
+from pdserve.router.open_requests import OpenRequests
 from pdserve.router.picker import PickerConfig, WeightedPicker
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.scorers import RoutingRequest, should_disaggregate, uncached_tokens
@@ -94,7 +94,7 @@ class Planner:
         self.config = config
         self.registry = registry
         self.prefix_matches = prefix_matches
-        self.in_flight = InFlight()  # request flows hold their decode instance's count
+        self.open_requests = OpenRequests()  # request flows hold their decode instance's count
         # Separate pickers, so that one kind of pick does not shift another's tie rotation.
         self.decode_picker = WeightedPicker.from_config(config.picker)
         self.prefill_picker = WeightedPicker.from_config(config.picker)
@@ -117,7 +117,7 @@ class Planner:
     def decode_running(self, decode: Instance) -> int:
         """Requests on `decode`: its last load report's, or this router's count if larger."""
         reported = decode.view.running_requests + decode.view.queued_requests
-        return max(reported, self.in_flight.count(decode.id))
+        return max(reported, self.open_requests.count(decode.id))
 
     def routing_request(self, prompt_ids: Sequence[int]) -> RoutingRequest:
         """What scorers see of a prompt: its length, its blocks, who holds their prefix."""

@@ -7,7 +7,7 @@ import pytest
 from pdserve.cluster import SHARED_CORES_DISAGG_MIN_RUNNING, ClusterSpec
 from pdserve.cluster_cli import default_min_running
 from pdserve.proto.pdserve.v1 import common_pb2
-from pdserve.router.in_flight import InFlight
+from pdserve.router.open_requests import OpenRequests
 from pdserve.router.registry import Registry
 from pdserve.router.routing import Planner, RouterConfig
 from pdserve.router.scorers import should_disaggregate
@@ -46,19 +46,19 @@ def test_reported_load_decides():
 
 def test_own_open_requests_count_before_the_report_does():
     planner = planner_with_decode(running=0)
-    with planner.in_flight.holding("d0"), planner.in_flight.holding("d0"):
+    with planner.open_requests.holding("d0"), planner.open_requests.holding("d0"):
         assert not planner.plan(PROMPT, 1).disaggregate
-        with planner.in_flight.holding("d0"):
+        with planner.open_requests.holding("d0"):
             assert planner.plan(PROMPT, 1).disaggregate
     assert not planner.plan(PROMPT, 1).disaggregate
 
 
-def test_in_flight_count_falls_when_a_request_fails():
-    in_flight = InFlight()
-    with pytest.raises(RuntimeError), in_flight.holding("d0"):
-        assert in_flight.count("d0") == 1
+def test_open_request_count_falls_when_a_request_fails():
+    open_requests = OpenRequests()
+    with pytest.raises(RuntimeError), open_requests.holding("d0"):
+        assert open_requests.count("d0") == 1
         raise RuntimeError("request failed")
-    assert in_flight.count("d0") == 0 and in_flight.count("other") == 0
+    assert open_requests.count("d0") == 0 and open_requests.count("other") == 0
 
 
 def test_negative_min_running_is_rejected():

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-class InFlight:
+class OpenRequests:
     """Thread-safe count of this router's open requests per decode instance id."""
 
     def __init__(self) -> None:
