@@ -55,6 +55,11 @@ class Instance:
         return load
 
 
+# A Load's counts, read by routing and disaggregation rules (negative ones are refused).
+COUNTS = ("waiting_requests", "running_requests", "waiting_tokens", "free_blocks",
+          "total_blocks")
+
+
 def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = "",
                        seen_at: float = 0.0, static: bool = False) -> Instance:
     """Build an Instance from a Load; `address`/`role` (a static instance's) take precedence.
@@ -66,6 +71,9 @@ def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = 
     role = role or load.role
     if role not in ROLES:
         raise ValueError(f"role: expected prefill, decode or colocated, got {role!r}")
+    for name in COUNTS:
+        if getattr(load, name) < 0:
+            raise ValueError(f"{name}: must be >= 0, got {getattr(load, name)}")
     view = InstanceView(
         id=load.instance_id or address, role=ROLES[role], address=address,
         queued_requests=load.waiting_requests, queued_tokens=load.waiting_tokens,

@@ -96,6 +96,19 @@ def test_fake_instance_cannot_register(cluster, want):
         assert tokens == want and last.served_by.decode_instance == "decode-0"
 
 
+def test_member_heartbeat_with_a_negative_count_is_refused_naming_it(cluster, want):
+    bad = common_pb2.Load(instance_id="decode-0", role="decode",
+                          address=cluster.child("decode-0").address, running_requests=-10**6,
+                          total_blocks=64, free_blocks=64, block_size=16,
+                          connector=cluster.spec.connector)
+    with pytest.raises(grpc.RpcError) as e:
+        router(cluster).Heartbeat(bad, timeout=5, metadata=[(TOKEN_HEADER, SECRET)])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "running_requests" in e.value.details()
+    tokens, last = generate(cluster, [("authorization", f"Bearer {API_KEY}")])
+    assert tokens == want and last.served_by.decode_instance == "decode-0"
+
+
 def test_instances_refuse_calls_without_the_cluster_secret(cluster, want):
     prefill = cluster.child("prefill-0").address
     decode = cluster.child("decode-0").address

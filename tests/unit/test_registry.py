@@ -53,7 +53,11 @@ def test_roles(reg, role, live_as_prefill, live_as_decode):
 
 
 @pytest.mark.parametrize("bad, field", [
-    (load(address=""), "address"), (load(role="router"), "role"), (load(role=""), "role")])
+    (load(address=""), "address"), (load(role="router"), "role"), (load(role=""), "role"),
+    (load(running_requests=-1), "running_requests"),
+    (load(waiting_requests=-5), "waiting_requests"),
+    (load(waiting_tokens=-1), "waiting_tokens"), (load(free_blocks=-1), "free_blocks"),
+    (load(total_blocks=-2), "total_blocks")])
 def test_unusable_loads_are_rejected_naming_the_field(reg, bad, field):
     with pytest.raises(ValueError, match=field):
         reg.observe(bad)
