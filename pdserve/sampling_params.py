@@ -13,6 +13,9 @@ from pdserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+# The most sequences one request that crosses a process boundary (HTTP, gRPC) may ask for,
+# OpenAI's bound on `n`; in-process callers of LLM/LLMEngine are not bounded.
+MAX_N_PER_REQUEST = 128
 _SAMPLING_EPS = 1e-5
 _MIN_TEMP = 1e-2
 
@@ -199,6 +202,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63):
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int of at least 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -78,6 +78,10 @@ class InputProcessor:
         prompt_ids = params.truncate_prompt(prompt_ids, self.model_config.max_model_len)
         self._check_length(prompt_ids)
         remote_kv, prefilled = self._remote_inputs(kv_transfer_params or {}, params)
+        if len(prompt_ids) + len(prefilled) >= self.max_len:
+            raise ValueError(f"output_token_ids: {len(prefilled)} tokens after a "
+                             f"{len(prompt_ids)}-token prompt leave no room to generate within "
+                             f"max_model_len={self.max_len}")
         if remote_kv is not None:
             remote_kv.check(len(prompt_ids), self.block_size)
         bad_words = self._tokenize_bad_words(params.bad_words or [])

@@ -119,8 +119,7 @@ class LLMEngine:
         With PoolingParams it is an embedding request (its step output is a
         PoolingRequestOutput, see pooling.py). Raises ValueError on bad input."""
         self._check_awake()
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_id_free(request_id)
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError("priority: only allowed with scheduling_policy='priority'")
         if isinstance(params, SamplingParams):
@@ -136,10 +135,19 @@ class LLMEngine:
             children = self.input_processor.make_requests(request_id, ids, params,
                                                           arrival_time, priority,
                                                           kv_transfer_params)
+        for child in children:  # n > 1 names its sequences "{i}_{request_id}"
+            self._check_id_free(child.request_id)
         self.output_processor.add(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
         return request_id
+
+    def _check_id_free(self, request_id: str) -> None:
+        """Refuse an id that a request, one of its sequences or a prefill's KV lease holds."""
+        holders = (self.output_processor.parents, self.output_processor.child_to_parent,
+                   self.scheduler.requests, self.scheduler.kv.leases)
+        if any(request_id in holder for holder in holders):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now and free their blocks; unknown ids are ignored."""

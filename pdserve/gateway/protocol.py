@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.beam_search import BeamSearchParams
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import MAX_N_PER_REQUEST, SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
@@ -75,7 +75,7 @@ class _SamplingRequest(_Body):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = Field(default=1, le=MAX_N_PER_REQUEST)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0

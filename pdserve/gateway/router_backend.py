@@ -48,6 +48,14 @@ def map_rpc_error(e: grpc.RpcError) -> Exception:
     return _ERRORS.get(e.code(), BackendError)(f"router: {e.code().name}: {e.details()}")
 
 
+def _add_token_ids(msg: router_pb2.TokenIds, ids: list[int]) -> None:
+    """The prompt's ids into `msg`; the router checks them against the vocabulary."""
+    try:
+        msg.ids.extend(ids)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"prompt: a token id does not fit the wire's int32 ({e})") from e
+
+
 class RouterBackend(Backend):
     supports_prompt_logprobs = True  # on the router's first message
     def __init__(self, address: str, model: str, max_model_len: int | None = None,
@@ -81,7 +89,7 @@ class RouterBackend(Backend):
     async def embed(self, request_id: str, prompt_ids: list[int],
                     pooling: PoolingParams) -> list[float]:
         req = router_pb2.EmbedRequest(request_id=request_id, pooling=pooling_to_proto(pooling))
-        req.token_ids.ids.extend(prompt_ids)
+        _add_token_ids(req.token_ids, prompt_ids)
         try:
             resp = await self.stub.Embed(req, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -97,7 +105,7 @@ class RouterBackend(Backend):
         if isinstance(prompt, str):
             req.text = prompt
         else:
-            req.token_ids.ids.extend(prompt)
+            _add_token_ids(req.token_ids, prompt)
         call = self.stub.Generate(req, timeout=self.timeout_s, metadata=self._metadata)
         self._calls[request_id] = call
         stream = _RouterStream(self, request_id, call, params)

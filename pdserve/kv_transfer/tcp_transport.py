@@ -46,6 +46,7 @@ OP_HELLO, OP_READ, OP_AUTH = 1, 2, 3
 REQ = struct.Struct("!4sBI")
 REPLY = struct.Struct("!BQ")
 MAX_REQUEST_BYTES = 1 << 24
+MAX_ERROR_BYTES = 1 << 16  # a producer's refusal is a short message
 LEASE = struct.Struct("!HH")  # lengths of the lease id and of its token, in a READ
 
 
@@ -248,6 +249,10 @@ class TcpTransport(KVTransport):
                     continue  # stale cached connection: retry once on a fresh one
                 raise self._error(key, e) from e
             try:
+                if status != 0 and length > MAX_ERROR_BYTES:
+                    self._drop(key)
+                    raise KVTransferError(f"producer {key[2]!r} at {key[0]}:{key[1]} sent a "
+                                          f"{length}-byte refusal (at most {MAX_ERROR_BYTES})")
                 if status != 0:  # refused (e.g. ids out of range); the connection stays usable
                     message = recv_exact(conn, length).decode(errors="replace")
                     raise KVTransferError(f"producer {key[2]!r} at {key[0]}:{key[1]} refused: {message}")

@@ -38,13 +38,14 @@ class EmbedFlow:
         self.request = request
         self.context = context
         self.rid = request.request_id or uuid.uuid4().hex
+        self.wire_id = f"{self.rid}-{uuid.uuid4().hex[:12]}"  # what instances see (ids may clash)
         self.start = time.monotonic()
         self.deadline = self.start + min(context.time_remaining(), self.config.request_timeout_s)
 
     def run(self) -> common_pb2.EmbedResponse:
         ids = self._validate()
         routing = self.core.planner.routing_request(ids)
-        req = engine_pb2.EmbedPromptRequest(request_id=self.rid, prompt_token_ids=ids,
+        req = engine_pb2.EmbedPromptRequest(request_id=self.wire_id, prompt_token_ids=ids,
                                             pooling=self.request.pooling)
         tried: list[str] = []
         failures: list[str] = []

@@ -110,7 +110,8 @@ class GenerateFlow:
         self.config = core.config
         self.request = request
         self.context = context
-        self.rid = request.request_id or uuid.uuid4().hex
+        self.rid = request.request_id or uuid.uuid4().hex  # the id the client sees
+        self.wire_id = f"{self.rid}-{uuid.uuid4().hex[:12]}"  # what instances see (ids may clash)
         budget = min(context.time_remaining(), self.config.request_timeout_s)
         self.deadline = time.monotonic() + budget
         self.served = common_pb2.ServedBy()
@@ -193,7 +194,7 @@ class GenerateFlow:
 
     def _prefill(self, plan: Plan, prompt_ids: list[int]) -> engine_pb2.PrefillResponse | None:
         """First token and KV handle from a prefill instance; None: prefill on D instead."""
-        req = engine_pb2.PrefillRequest(request_id=self.rid, prompt_token_ids=prompt_ids,
+        req = engine_pb2.PrefillRequest(request_id=self.wire_id, prompt_token_ids=prompt_ids,
                                         sampling=self.request.sampling)
         tried: set[str] = set()
         for _ in range(self.config.prefill_attempts):
@@ -207,14 +208,13 @@ class GenerateFlow:
                 future = self._call(stub.Prefill.future, req, timeout=self._remaining())
                 resp = self._await_alive(future, p)
             except _InstanceDead:
-                self.core.forget_on_prefill(p.address, self.rid)
+                self.core.forget_on_prefill(p.address, self.wire_id)
                 self._check_client()
                 self.core.registry.mark_down(p.id)
-                logger.warning("request %s: prefill instance %s stopped answering", self.rid,
-                               p.id)
+                logger.warning("request %s: prefill instance %s stopped answering", self.rid, p.id)
                 continue
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
-                self.core.forget_on_prefill(p.address, self.rid)
+                self.core.forget_on_prefill(p.address, self.wire_id)
                 self._check_client()
                 code = e.code() if isinstance(e, grpc.RpcError) else Code.CANCELLED
                 if code == Code.INVALID_ARGUMENT:
@@ -236,7 +236,7 @@ class GenerateFlow:
                                len(prompt_ids))
                 continue
             if resp.HasField("handle"):
-                self._set_lease((resp.handle.release_address or p.address, self.rid))
+                self._set_lease((resp.handle.release_address or p.address, self.wire_id))
             self.served.prefill_instance = resp.instance_id or p.id
             self.served.disaggregated = True
             self.served.kv_connector = resp.handle.connector
@@ -266,7 +266,7 @@ class GenerateFlow:
         """Stream D's generation to the client. While D has sent nothing, a dead D is retried
         elsewhere; once it has, a dead D's request migrates: another D recomputes the prompt
         and the tokens the client has, and the stream goes on where it stopped."""
-        req = engine_pb2.DecodeRequest(request_id=self.rid, prompt_token_ids=prompt_ids,
+        req = engine_pb2.DecodeRequest(request_id=self.wire_id, prompt_token_ids=prompt_ids,
                                        sampling=self.request.sampling)
         # A continuation (of P's prefill, or migrated) does not recompute the prompt's
         # logprobs: the client has them from the first message.
@@ -310,7 +310,7 @@ class GenerateFlow:
                     if retry is not None:
                         self.served.migrations += 1
                         sent = relay.sent
-                        req, connector = sent.decode_request(self.rid, prompt_ids,
+                        req, connector = sent.decode_request(self.wire_id, prompt_ids,
                                                              continuing), ""
                 if retry is not None:
                     logger.warning("request %s: decode %s is down %s, continuing on %s",

@@ -8,7 +8,7 @@ from pdserve.kv_transfer.connector import KVHandle
 from pdserve.outputs import Logprob
 from pdserve.pooling_params import PoolingParams
 from pdserve.proto.pdserve.v1 import common_pb2
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import MAX_N_PER_REQUEST, SamplingParams
 from pdserve.structured_outputs import StructuredOutputsParams
 
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -20,6 +20,9 @@ _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
 def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Proto -> SamplingParams; invalid values raise ValueError naming the field."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    if kwargs.get("n", 1) > MAX_N_PER_REQUEST:
+        raise ValueError(f"n: at most {MAX_N_PER_REQUEST} sequences per request, "
+                         f"got {kwargs['n']}")
     for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words",
                  "logprob_token_ids"):
         values = list(getattr(msg, name))
@@ -35,17 +38,22 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        stop=p.stop or [], stop_token_ids=p.stop_token_ids or [],
-        allowed_token_ids=p.allowed_token_ids or [], bad_words=p.bad_words or [],
-        logit_bias=p.logit_bias or {}, logprob_token_ids=p.logprob_token_ids or [],
-        flat_logprobs=p.flat_logprobs)
-    for name in _OPTIONAL:
-        value = getattr(p, name)
-        if value is not None:
-            setattr(msg, name, value)
+    """SamplingParams -> proto; a value the wire type cannot hold raises ValueError naming
+    the field."""
+    fields = dict(ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+                  include_stop_str_in_output=p.include_stop_str_in_output,
+                  stop=p.stop or [], stop_token_ids=p.stop_token_ids or [],
+                  allowed_token_ids=p.allowed_token_ids or [], bad_words=p.bad_words or [],
+                  logit_bias=p.logit_bias or {}, logprob_token_ids=p.logprob_token_ids or [],
+                  flat_logprobs=p.flat_logprobs)
+    fields.update((name, getattr(p, name)) for name in _OPTIONAL
+                  if getattr(p, name) is not None)
+    msg = common_pb2.SamplingParams()
+    for name, value in fields.items():
+        try:
+            msg.MergeFrom(common_pb2.SamplingParams(**{name: value}))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{name}: {e}") from e
     if p.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     return msg
@@ -103,6 +111,9 @@ def handle_from_proto(msg: common_pb2.KVHandle) -> KVHandle:
         descriptor = json.loads(msg.descriptor_json)
     except json.JSONDecodeError as e:
         raise ValueError(f"handle.descriptor_json: not JSON ({e})") from e
+    if not isinstance(descriptor, dict):
+        raise ValueError(f"handle.descriptor_json: must be a JSON object, got "
+                         f"{type(descriptor).__name__}")
     if descriptor.get("kind") != msg.connector:
         raise ValueError(f"handle.connector: {msg.connector!r} does not match the descriptor")
     return KVHandle(msg.request_id, msg.engine_id, descriptor, tuple(msg.block_ids),

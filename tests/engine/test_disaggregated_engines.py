@@ -111,6 +111,25 @@ def test_lease_expiry_frees_prefill_blocks(tiny_model_dir):
         connector.close()
 
 
+def test_an_id_holding_a_lease_is_refused_until_released(pd_pair):
+    """A second prefill under the id of one whose blocks are leased to a reader would replace
+    that lease, and its blocks would never be freed: it is refused until the lease ends."""
+    prefill, _, _ = pd_pair
+    params = SamplingParams(max_tokens=1)
+    remote = {"do_remote_decode": True}
+    prefill.add_request("held", PROMPT, params, kv_transfer_params=remote)
+    handle = run(prefill)["held"].kv_transfer_params["handle"]
+    with pytest.raises(ValueError, match="request_id"):
+        prefill.add_request("held", PROMPT, params, kv_transfer_params=remote)
+    assert list(prefill.kv_manager.leases["held"][0][:len(handle["block_ids"])]) == \
+        handle["block_ids"]
+    assert prefill.release_kv("held")
+    prefill.add_request("held", PROMPT, params, kv_transfer_params=remote)
+    run(prefill)
+    assert prefill.release_kv("held")
+    assert prefill.num_free_blocks == prefill.num_blocks
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_pull_recomputes_or_fails_clearly(tiny_model_dir, pd_pair, policy):
     prefill, _, _ = pd_pair

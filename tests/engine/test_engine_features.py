@@ -159,6 +159,32 @@ def test_llm_engine_step_api_and_abort(tiny_llm):
     assert_no_block_held(tiny_llm)
 
 
+@pytest.mark.parametrize("first, second", [(("x", 2), ("0_x", 1)), (("0_x", 1), ("x", 2)),
+                                           (("y", 2), ("1_y", 3))])
+def test_a_request_id_naming_another_requests_sequence_is_refused(tiny_llm, first, second):
+    """n > 1 names its sequences "{i}_{id}"; an id that clashes with one of them (either way
+    round) is refused, and the request already queued finishes as if alone."""
+    engine = tiny_llm.llm_engine
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)
+    engine.add_request(first[0], "Hello there", _with_n(params, first[1]))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(second[0], "Hello there", _with_n(params, second[1]))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert list(done) == [first[0]]
+    assert [len(c.token_ids) for c in done[first[0]].outputs] == [4] * first[1]
+    [alone] = tiny_llm.generate("Hello there", _with_n(params, first[1]), use_tqdm=False)
+    assert [c.token_ids for c in done[first[0]].outputs] == [c.token_ids for c in alone.outputs]
+    assert_no_block_held(tiny_llm)
+
+
+def _with_n(params: SamplingParams, n: int) -> SamplingParams:
+    out = params.clone()
+    out.n = n
+    return out
+
+
 def test_chat_uses_template(tiny_llm):
     tok = tiny_llm.get_tokenizer()
     messages = [{"role": "user", "content": "Hi!"}]
@@ -175,6 +201,7 @@ def test_chat_uses_template(tiny_llm):
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"seed": 1 << 63}, "seed"),  # a generator's seed is 64 bits (the wire's int64)
 ])
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):

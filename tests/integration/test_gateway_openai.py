@@ -227,6 +227,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_t
     ({**CHAT, "temperature": "hot"}, "temperature"),
     ({**CHAT, "top_p": 0}, "top_p"),
     ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "n": 129}, "n"),  # OpenAI's bound
+    ({**CHAT, "seed": 1 << 64}, "seed"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"),
     ({**CHAT, "max_tokens": 10**6}, "max_tokens"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),

@@ -115,6 +115,19 @@ def test_bad_token_id_is_400(gateway):
     assert r.json()["error"]["param"] == "prompt"
 
 
+@pytest.mark.parametrize("extra, param", [
+    ({"seed": 2**70}, "seed"),
+    ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"n": 129}, "n"),  # OpenAI's bound: one request may not fan out without limit
+    ({"prompt": [1, 2**40]}, "prompt"),
+])
+def test_values_the_wire_cannot_carry_are_400_naming_the_field(gateway, extra, param):
+    r = httpx.post(f"{gateway.url}/v1/completions",
+                   json={"prompt": "Hi", "max_tokens": 2, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
 def test_priority_other_than_0_is_400_through_the_router(gateway):
     """The router and its instances schedule first come, first served: priority 0 only."""
     r = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2,

@@ -71,6 +71,9 @@ def still_serves(p, d, decode_proc, want, rid):
     ("handle.block_ids", lambda h: h.block_ids.__setitem__(1, h.block_ids[0])),
     ("handle.block_hashes", lambda h: h.block_hashes.extend([1, 2, 3, 4])),
     ("handle.lease_expires_at", lambda h: setattr(h, "lease_expires_at", float("nan"))),
+    ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", "[]")),
+    ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", "null")),
+    ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", '"shm"')),
 ])
 def test_forged_handle_fields_are_refused(pd, want, field, forge):
     p, d, decode_proc, connector = pd
@@ -126,4 +129,20 @@ def test_forged_lease_token_reads_nothing_and_the_request_is_recomputed(pd, want
     after = stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
     assert after.kv_loads_failed == before.kv_loads_failed + 1  # refused by the producer
     assert after.kv_bytes_received == before.kv_bytes_received
+    still_serves(p, d, decode_proc, want, rid + "-after")
+
+
+def test_more_output_tokens_than_the_context_holds_are_refused(pd, want):
+    """A continuation whose tokens already fill the context once killed the decode loop (its
+    first step indexed past the rotary table)."""
+    p, d, decode_proc, connector = pd
+    rid = f"overlong-{connector}"
+    first = prefill(p, rid)
+    with pytest.raises(grpc.RpcError) as e:
+        list(d.Decode(engine_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=PROMPT, handle=first.handle,
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=10**6),
+            output_token_ids=[first.first_token_id] * 3000), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "output_token_ids" in e.value.details()
     still_serves(p, d, decode_proc, want, rid + "-after")

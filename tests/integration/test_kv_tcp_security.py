@@ -3,6 +3,7 @@ the cluster's certificates, and without them a proof of the cluster secret befor
 
 import socket
 import struct
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from test_mtls import make_pki
 from pdserve.kv_transfer import KVTransferError
 from pdserve.kv_transfer.socket_tls import SocketTls
 from pdserve.kv_transfer.tcp_transport import LEASE, MAGIC, OP_HELLO, OP_READ, REPLY, REQ
+from pdserve.kv_transfer.transport import DESCRIPTOR_VERSION, KVLayout
 
 SECRET = "s" * 40
 
@@ -74,3 +76,36 @@ def test_tcp_producer_with_a_secret_serves_only_readers_that_prove_it():
         assert producer.proc.poll() is None
     finally:
         producer.stop()
+
+
+def test_a_producer_claiming_a_huge_refusal_is_cut_off_before_any_allocation():
+    """The length of a refusal comes from the producer, whose address a Decode caller names:
+    a reader allocates nothing of the size it claims (a terabyte here) and fails at once."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    claims = []
+
+    def lying_producer():
+        conn, _ = listener.accept()
+        with conn:
+            _, _, length = REQ.unpack(conn.recv(REQ.size, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)
+            conn.sendall(REPLY.pack(0, 0))  # hello accepted, no challenge
+            _, _, length = REQ.unpack(conn.recv(REQ.size, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)
+            claims.append(1 << 40)
+            conn.sendall(REPLY.pack(1, 1 << 40))
+            conn.recv(1)  # until the reader hangs up
+
+    thread = threading.Thread(target=lying_producer, daemon=True)
+    thread.start()
+    remote = {"kind": "tcp", "version": DESCRIPTOR_VERSION, "engine_id": "liar",
+              "host": "127.0.0.1", "port": listener.getsockname()[1],
+              "layout": KVLayout(**{**LAYOUT_F32, "num_blocks": 32}).to_dict()}
+    try:
+        with consumer("tcp", LAYOUT_F32, timeout_s=3.0) as dec:
+            with pytest.raises(KVTransferError, match="refusal"):
+                dec.read_blocks(remote, [3], [0], ("lease", "token"))
+        thread.join(timeout=5)
+        assert claims and not thread.is_alive()
+    finally:
+        listener.close()

@@ -1,5 +1,8 @@
 """Router + prefill + decode processes (`Cluster`, as `pdserve up` starts them) over loopback."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 from cluster_procs import wait_for
@@ -143,6 +146,7 @@ def test_n2_prefills_on_decode(clusters, llm):
     (list(range(50)), {"logit_bias": {5: float("nan")}}, "logit_bias"),
     (list(range(50)), {"max_tokens": 0}, "max_tokens"),
     (list(range(50)), {"n": 2, "temperature": 0}, "n"),
+    (list(range(50)), {"n": 129, "temperature": 1.0}, "n"),  # at most 128 sequences
     ("", {}, "prompt"),
     ([], {}, "prompt"),
     (None, {}, "prompt"),
@@ -205,6 +209,31 @@ def test_client_cancel_frees_blocks_on_both_sides(clusters):
     assert wait_for(lambda: all_free(cluster), timeout=15)
     # The cluster still serves.
     assert tokens(generate(cluster, list(range(4400, 4440)), max_tokens=3, ignore_eos=True))
+
+
+def test_two_clients_choosing_the_same_request_id_both_get_their_answer(clusters, llm):
+    """Clients choose request ids; two may clash. Each call reaches the instances under an id
+    of its own, so neither is refused as a duplicate, nor aborted, nor has its KV lease
+    released by the other's call."""
+    cluster = clusters("shm")
+    prompts = [list(range(5000, 5040)), list(range(5100, 5140))]
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    start = threading.Barrier(2)
+
+    def call(ids):
+        start.wait()
+        return list(router(cluster).Generate(router_pb2.GenerateRequest(
+            request_id="same", token_ids=router_pb2.TokenIds(ids=ids), sampling=sampling),
+            timeout=60))
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(call, prompts))
+    for ids, msgs in zip(prompts, answers):
+        want = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+            temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert tokens(msgs) == want.token_ids
+        assert {m.request_id for m in msgs} == {"same"} and msgs[-1].served_by.disaggregated
+    assert wait_for(lambda: all_free(cluster), timeout=15)
 
 
 def test_list_instances(clusters):
