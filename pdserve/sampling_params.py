@@ -13,9 +13,10 @@ from pdserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-# The most sequences one request that crosses a process boundary (HTTP, gRPC) may ask for,
-# OpenAI's bound on `n`; in-process callers of LLM/LLMEngine are not bounded.
-MAX_N_PER_REQUEST = 128
+# The most one request that crosses a process boundary (HTTP, gRPC) may ask for: sequences
+# (n: OpenAI's bound) and items of the lists checked at every generated token. In-process
+# callers of LLM/LLMEngine are not bounded.
+WIRE_LIMITS = {"n": 128, "stop": 128, "stop_token_ids": 1024, "bad_words": 1024}
 _SAMPLING_EPS = 1e-5
 _MIN_TEMP = 1e-2
 
@@ -149,8 +150,9 @@ class SamplingParams:
             self.temperature = _MIN_TEMP
         if self.logit_bias is not None:
             self.logit_bias = self._normalize_logit_bias(self.logit_bias)
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+        if self.allowed_token_ids is not None:  # at most the vocabulary once deduplicated
+            self.allowed_token_ids = list(dict.fromkeys(
+                _int_list("allowed_token_ids", self.allowed_token_ids)))
         if self.logprob_token_ids is not None:
             self.logprob_token_ids = list(dict.fromkeys(
                 _int_list("logprob_token_ids", self.logprob_token_ids)))
@@ -262,11 +264,24 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError(f"allowed_token_ids must not be empty, got {self.allowed_token_ids!r}")
 
+    def verify_wire_limits(self) -> None:
+        """Raise ValueError naming the field if a request from another process asks for more
+        than WIRE_LIMITS allows."""
+        for name, limit in WIRE_LIMITS.items():
+            value = getattr(self, name)
+            count = value if name == "n" else len(value or ())
+            if count > limit:
+                raise ValueError(f"{name}: at most {limit} per request, got {count}")
+
     def verify_max_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
-        """Raise ValueError if logprobs or prompt_logprobs asks for more than `max_logprobs`
-        per position (-1 asks for the whole vocabulary; `max_logprobs=-1` means no cap)."""
+        """Raise ValueError if logprobs, prompt_logprobs or logprob_token_ids asks for more
+        than `max_logprobs` per position (-1 asks for the whole vocabulary; `max_logprobs=-1`
+        means no cap)."""
         if max_logprobs == -1:
             return
+        if len(self.logprob_token_ids or ()) > max_logprobs:
+            raise ValueError(f"logprob_token_ids: {len(self.logprob_token_ids)} ids, more than "
+                             f"max_logprobs={max_logprobs} (an engine option)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (vocab_size if value == -1 else value) > max_logprobs:

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from pdserve import untrusted_json
+
 if TYPE_CHECKING:
     import xgrammar
 
@@ -110,8 +112,8 @@ class StructuredOutputsParams:
 def _schema(value: Any) -> dict:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
+            value = untrusted_json.loads(value)
+        except ValueError as e:
             raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from e
     if not isinstance(value, dict):
         raise ValueError(f"structured_outputs.json: a JSON schema must be an object, "
@@ -179,8 +181,8 @@ def _structural_tag(xgr, source: str) -> xgrammar.Grammar:
     """vLLM's two structural-tag forms: {"structures": [{begin, schema, end}], "triggers"}
     and xgrammar's {"type": "structural_tag", "format": ...}."""
     try:
-        tag = json.loads(source)
-    except json.JSONDecodeError as e:
+        tag = untrusted_json.loads(source)
+    except ValueError as e:
         raise ValueError(f"structured_outputs.structural_tag: not valid JSON ({e})") from e
     if isinstance(tag, dict) and "structures" in tag:
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),

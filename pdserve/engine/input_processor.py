@@ -126,10 +126,10 @@ class InputProcessor:
         return remote_kv, prefilled
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
-        out: list[list[int]] = []
+        out: dict[tuple[int, ...], None] = {}  # in order, once each
         for word in words:
             for variant in (word, " " + word.lstrip()):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
+                if ids:
+                    out[tuple(ids)] = None
+        return [list(ids) for ids in out]

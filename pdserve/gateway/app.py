@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -17,10 +16,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pdserve
+from pdserve import untrusted_json
 from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.chat import ChatRun
 from pdserve.gateway.completions import CompletionRun
-from pdserve.gateway.embeddings import EmbeddingRequest, create_embeddings
+from pdserve.gateway.embeddings import EmbeddingRequest, EmbeddingRun
 from pdserve.gateway.guards import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -98,8 +98,8 @@ async def read_json(request: Request):
     """The JSON body (whatever the Content-Type: clients of OpenAI's API do not all send
     one); 400 when it is not JSON."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return untrusted_json.loads(await request.body())
+    except ValueError as e:  # not JSON, not UTF-8, or nested too deeply
         raise APIError(400, f"malformed JSON body: {e}") from e
 
 
@@ -211,16 +211,18 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
 
     async def serve(request: Request, body, run_cls):
         check_model(body)
-        admission.enter()
+        run = run_cls(ctx, body)  # checked and tokenized
+        weight = run.backend_requests
+        beams = getattr(body, "use_beam_search", False) and weight == body.n
+        admission.enter(weight, "n" if beams else "prompt")
         handed_off = False
         try:
-            run = run_cls(ctx, body)
             gen = await until_disconnect(request, run.start())
             if gen is None:
                 return Response(status_code=CLIENT_CLOSED)
             if body.stream:
                 async def close():
-                    admission.leave()
+                    admission.leave(weight)
                     await gen.aclose()
                 handed_off = True
                 return SSEResponse(run.stream(gen), close)
@@ -233,7 +235,7 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
             return JSONResponse(result)
         finally:
             if not handed_off:
-                admission.leave()
+                admission.leave(weight)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -252,11 +254,12 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
     async def embeddings(request: Request):
         body = await parse_body(request, EmbeddingRequest)
         check_model(body)
-        admission.enter()
+        run = EmbeddingRun(ctx, body)  # checked and tokenized
+        admission.enter(len(run.prompts), "input")
         try:
-            result = await until_disconnect(request, create_embeddings(ctx, body))
+            result = await until_disconnect(request, run.respond())
         finally:
-            admission.leave()
+            admission.leave(len(run.prompts))
         if result is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(result)

@@ -61,6 +61,7 @@ class ChatRun:
             raise bad_request("prompt_logprobs: not available from this backend",
                               "prompt_logprobs")
         self.counts: dict[int, int] = {}  # streamed: choice index -> tokens so far
+        self.backend_requests = req.n if req.use_beam_search else 1  # admission counts these
 
     async def start(self) -> Generation:
         if self.req.use_beam_search:

@@ -59,6 +59,8 @@ class CompletionRun:
                                   "echo")
         self.n = req.n
         self.prompt_logprobs: dict[int, list[PositionLogprobs]] = {}
+        # one per prompt, or per beam: what the gateway's admission counts
+        self.backend_requests = len(self.requests) * (req.n if req.use_beam_search else 1)
 
     def echo_text(self, p: int) -> str:
         text = self.prompt_texts[p]

@@ -58,27 +58,38 @@ def _encode(embedding: list[float], fmt: str) -> list[float] | str:
     return embedding
 
 
-async def create_embeddings(ctx: ServingContext, req: EmbeddingRequest) -> dict:
-    try:
-        pooling = PoolingParams(req.normalize, req.dimensions, req.truncate_prompt_tokens)
-        # truncated here, so usage counts the tokens embedded
-        prompts = [pooling.truncate_prompt(ids, ctx.max_model_len)
-                   for ids in _inputs(ctx, req.input)]
-    except ValueError as e:
-        field = str(e).replace(":", " ").split(" ", 1)[0]
-        raise bad_request(str(e), field if field in _FIELDS else None) from e
-    base = f"embd-{uuid.uuid4().hex}"
-    try:
-        embeddings = await asyncio.gather(*(
-            ctx.backend.embed(f"{base}-{i}", ids, pooling) for i, ids in enumerate(prompts)))
-    except ValueError as e:
-        head = str(e).replace(":", " ").split(" ", 1)[0]
-        field = "input" if head.startswith("prompt") else head
-        raise APIError(400, str(e), param=field if field in _FIELDS else None) from e
-    num_tokens = sum(len(ids) for ids in prompts)
-    return {
-        "id": base, "object": "list", "created": int(time.time()), "model": ctx.model_name,
-        "data": [{"object": "embedding", "index": i, "embedding": _encode(e, req.encoding_format)}
-                 for i, e in enumerate(embeddings)],
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    }
+class EmbeddingRun:
+    """One request: checked and tokenized on construction (`prompts`: one backend request
+    each); `respond` embeds them all."""
+
+    def __init__(self, ctx: ServingContext, req: EmbeddingRequest):
+        self.ctx, self.req = ctx, req
+        try:
+            self.pooling = PoolingParams(req.normalize, req.dimensions,
+                                         req.truncate_prompt_tokens)
+            # truncated here, so usage counts the tokens embedded
+            self.prompts = [self.pooling.truncate_prompt(ids, ctx.max_model_len)
+                            for ids in _inputs(ctx, req.input)]
+        except ValueError as e:
+            field = str(e).replace(":", " ").split(" ", 1)[0]
+            raise bad_request(str(e), field if field in _FIELDS else None) from e
+
+    async def respond(self) -> dict:
+        base = f"embd-{uuid.uuid4().hex}"
+        try:
+            embeddings = await asyncio.gather(*(
+                self.ctx.backend.embed(f"{base}-{i}", ids, self.pooling)
+                for i, ids in enumerate(self.prompts)))
+        except ValueError as e:
+            head = str(e).replace(":", " ").split(" ", 1)[0]
+            field = "input" if head.startswith("prompt") else head
+            raise APIError(400, str(e), param=field if field in _FIELDS else None) from e
+        num_tokens = sum(len(ids) for ids in self.prompts)
+        return {
+            "id": base, "object": "list", "created": int(time.time()),
+            "model": self.ctx.model_name,
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": _encode(e, self.req.encoding_format)}
+                     for i, e in enumerate(embeddings)],
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        }

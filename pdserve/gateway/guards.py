@@ -17,7 +17,8 @@ PROTECTED_PATHS = ("/v1", "/invocations", "/tokenize", "/detokenize")
 
 
 class Admission:
-    """A bound on requests in flight: beyond it requests are refused, not queued."""
+    """A bound on backend requests in flight (one per prompt, per beam of a beam search):
+    beyond it HTTP requests are refused, not queued."""
 
     def __init__(self, limit: int):
         if limit < 1:
@@ -25,14 +26,20 @@ class Admission:
         self.limit = limit
         self.in_flight = 0
 
-    def enter(self) -> None:
-        if self.in_flight >= self.limit:
+    def enter(self, weight: int = 1, field: str = "prompt") -> None:
+        """Take `weight` slots: 429 while they are not free, 400 naming `field` when they
+        never can be."""
+        if weight > self.limit:
+            raise APIError(400, f"{field}: {weight} prompts (times beams) in one request, more "
+                                f"than the {self.limit} this server runs at once "
+                                f"(--max-concurrency)", param=field)
+        if self.in_flight + weight > self.limit:
             raise APIError(429, f"too many requests in flight (limit {self.limit}); retry later",
                            "rate_limit_error", code="rate_limit_exceeded")
-        self.in_flight += 1
+        self.in_flight += weight
 
-    def leave(self) -> None:
-        self.in_flight -= 1
+    def leave(self, weight: int = 1) -> None:
+        self.in_flight -= weight
 
 
 class GuardMiddleware:

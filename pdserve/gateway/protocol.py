@@ -6,15 +6,33 @@ Unknown fields are ignored (and logged once per name by the app), as in vLLM.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from pdserve import untrusted_json
 from pdserve.beam_search import BeamSearchParams
-from pdserve.sampling_params import MAX_N_PER_REQUEST, SamplingParams
+from pdserve.sampling_params import WIRE_LIMITS, SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_TOOLS = 128  # OpenAI's bound on a request's tools
+# apply_chat_template's own arguments. A request's chat_template_kwargs may only add variables
+# for the template: a `chat_template` among them would render the caller's Jinja here.
+_TEMPLATE_ARGUMENTS = frozenset({
+    "chat_template", "conversation", "messages", "tools", "documents", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length"})
+
+
+def _template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = sorted(set(value or ()) & _TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)}: not settable here (only the chat template's "
+                         f"variables are)")
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_variables)]
 
 
 class APIError(Exception):
@@ -75,7 +93,7 @@ class _SamplingRequest(_Body):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(default=1, le=MAX_N_PER_REQUEST)
+    n: int = Field(default=1, le=WIRE_LIMITS["n"])  # a beam search's width too
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -126,7 +144,7 @@ class _SamplingRequest(_Body):
                                       ("repetition_penalty", self.repetition_penalty))
                     if v is not None}
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
@@ -139,8 +157,10 @@ class _SamplingRequest(_Body):
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 structured_outputs=structured, **optional)
+            params.verify_wire_limits()
         except ValueError as e:
             raise bad_request(str(e), param_of(str(e))) from e
+        return params
 
     def beam_search_params(self, max_tokens: int, logprobs: int | None,
                            max_logprobs: int) -> BeamSearchParams | None:
@@ -239,8 +259,8 @@ class ToolCallMessage(_Body):
 
     def for_template(self) -> dict[str, Any]:
         try:
-            arguments = json.loads(self.function.arguments)
-        except json.JSONDecodeError:
+            arguments = untrusted_json.loads(self.function.arguments)
+        except ValueError:
             arguments = self.function.arguments
         return {"id": self.id, "type": "function",
                 "function": {"name": self.function.name, "arguments": arguments}}
@@ -280,12 +300,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
-    tools: list[dict] | None = None
+    tools: list[dict] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's extra field
 
     def sampling_params(self, max_tokens: int | None,

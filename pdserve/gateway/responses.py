@@ -103,6 +103,7 @@ class ResponsesRun:
     def __init__(self, ctx: ServingContext, req: ResponsesRequest):
         self.req = req
         self.chat = ChatRun(ctx, req.chat_request())
+        self.backend_requests = self.chat.backend_requests
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())

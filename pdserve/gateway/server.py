@@ -39,7 +39,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (off by default)")
     parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
-                        help="requests in flight beyond which new ones get HTTP 429")
+                        help="backend requests in flight (one per prompt, beam or embedding "
+                             "input) beyond which new requests get HTTP 429")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get HTTP 413")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -3,11 +3,9 @@ chat template) over HTTP, without generating."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
-from pdserve.gateway.protocol import ChatMessage, _Body, bad_request
+from pdserve.gateway.protocol import ChatMessage, TemplateKwargs, _Body, bad_request
 from pdserve.gateway.serving import ServingContext
 
 
@@ -21,7 +19,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
 
 
 class DetokenizeRequest(_Body):

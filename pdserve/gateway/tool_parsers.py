@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve import untrusted_json
+
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _SPACE = re.compile(r"\s*")
@@ -59,7 +61,7 @@ def _call_from(obj: Any, keys: tuple[str, ...]) -> tuple[str, dict] | None:
     args = {} if key is None else obj[key]
     if isinstance(args, str):  # some models send the arguments already serialized
         try:
-            args = json.loads(args)
+            args = untrusted_json.loads(args)
         except ValueError:
             return None
     return (obj["name"], args) if isinstance(args, dict) else None
@@ -167,7 +169,7 @@ class HermesToolParser(ToolParser):
 
     def _block(self, body: str, raw: str, out: list[dict]) -> None:
         try:
-            call = _call_from(json.loads(body), ("arguments", "parameters"))
+            call = _call_from(untrusted_json.loads(body), ("arguments", "parameters"))
         except ValueError:
             call = None
         if call is None:
@@ -282,7 +284,7 @@ def required_tools_schema(tools: list[dict]) -> dict:
 def parse_required(text: str) -> list[ToolCall]:
     """The calls of an output generated under `required_tools_schema`; ValueError if bad."""
     try:
-        items = json.loads(text)
+        items = untrusted_json.loads(text)
     except ValueError as e:
         raise ValueError(f"tool_calls: output is not valid JSON ({e})") from None
     if not isinstance(items, list) or not items:
@@ -299,7 +301,7 @@ def parse_required(text: str) -> list[ToolCall]:
 def named_tool_call(name: str, text: str) -> ToolCall:
     """The call of an output that is the named function's arguments object."""
     try:
-        args = _dump(json.loads(text))
+        args = _dump(untrusted_json.loads(text))
     except ValueError:
         args = text
     return ToolCall(new_call_id(), name, args)
@@ -307,7 +309,7 @@ def named_tool_call(name: str, text: str) -> ToolCall:
 
 def validate_tools(tools: Any, tool_choice: Any) -> None:
     """Check the request's `tools` and `tool_choice`; ValueError naming the field if wrong."""
-    names: list[str] = []
+    names: set[str] = set()
     if tools is not None:
         if not isinstance(tools, list):
             raise ValueError("tools: must be a list of function tools")
@@ -324,7 +326,7 @@ def validate_tools(tools: Any, tool_choice: Any) -> None:
                                  "must be a JSON schema object")
             if fn["name"] in names:
                 raise ValueError(f"tools: function {fn['name']!r} is defined twice")
-            names.append(fn["name"])
+            names.add(fn["name"])
     if tool_choice is None or tool_choice == "none":
         return
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None

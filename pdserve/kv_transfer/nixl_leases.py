@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve import untrusted_json
 from pdserve.kv_transfer.block_runs import BlockRun, remote_runs
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.transport import KVLayout
@@ -62,7 +63,7 @@ def parse_reply(message: bytes, nonce: str) -> bytes | None:
     if not message.startswith(REPLY):
         return None
     try:
-        body = json.loads(message[len(REPLY):])
+        body = untrusted_json.loads(message[len(REPLY):])
     except ValueError:
         return None
     if not isinstance(body, dict) or body.get("nonce") != nonce:
@@ -79,7 +80,7 @@ def _parse_request(message: bytes) -> tuple[str, str, str, list[int], bytes]:
     """(nonce, lease id, token, block ids, reply_to metadata); ValueError if malformed."""
     if len(message) > MAX_MESSAGE_BYTES:
         raise ValueError("request too large")
-    body = json.loads(message[len(REQUEST):])
+    body = untrusted_json.loads(message[len(REQUEST):])
     nonce, lease, token, blocks = body["nonce"], body["lease"], body["token"], body["blocks"]
     if not all(isinstance(v, str) for v in (nonce, lease, token)) or len(nonce) > 64:
         raise ValueError("nonce, lease and token must be strings")

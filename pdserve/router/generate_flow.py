@@ -178,8 +178,7 @@ class GenerateFlow:
         return ids, params
 
     def _check_caps(self, prompt_len: int, params: SamplingParams) -> None:
-        """The gateway's caps: the prompt and max_tokens fit the context, logprobs are within
-        max_logprobs."""
+        """The gateway's caps: prompt and max_tokens fit the context, logprobs max_logprobs."""
         limit = self.config.max_model_len  # 0: unknown, not checked here
         if limit and prompt_len >= limit:
             self._abort(Code.INVALID_ARGUMENT, f"prompt: {prompt_len} tokens leave no room to "
@@ -299,11 +298,12 @@ class GenerateFlow:
                 self._check_client()
                 if e.code() == Code.INVALID_ARGUMENT and not relay.received:
                     self._abort(Code.INVALID_ARGUMENT, e.details())
-                down = self.core.is_down(decode)
+                full = e.code() == Code.RESOURCE_EXHAUSTED  # busy, not down: try another
+                down = not full and self.core.is_down(decode)
                 if down:
                     self.core.registry.mark_down(decode.id)
                 retry = None
-                if down and not relay.received and attempts < self.config.decode_attempts:
+                if (down or full) and not relay.received and attempts < self.config.decode_attempts:
                     retry = self.core.planner.pick_decode(plan.request, tried, connector)
                 elif down and relay.received and self._may_migrate(params):
                     retry = self.core.planner.pick_decode(plan.request, tried)
@@ -313,14 +313,14 @@ class GenerateFlow:
                         req, connector = sent.decode_request(self.wire_id, prompt_ids,
                                                              continuing), ""
                 if retry is not None:
-                    logger.warning("request %s: decode %s is down %s, continuing on %s",
-                                   self.rid, decode.id, "mid-stream" if relay.received
-                                   else "before streaming", retry.id)
+                    logger.warning("request %s: decode %s is %s %s, continuing on %s", self.rid,
+                                   decode.id, "full" if full else "down", "mid-stream"
+                                   if relay.received else "before streaming", retry.id)
                     decode = retry
                     continue
                 where = "mid-stream" if relay.received else "before streaming"
-                code = Code.DEADLINE_EXCEEDED if e.code() == Code.DEADLINE_EXCEEDED \
-                    else Code.UNAVAILABLE
+                code = e.code() if e.code() in (Code.DEADLINE_EXCEEDED,
+                                                Code.RESOURCE_EXHAUSTED) else Code.UNAVAILABLE
                 self._abort(code, f"decode instance {decode.id} failed {where}: "
                                   f"{e.code().name}: {e.details()} (after "
                                   f"{self.served.migrations} migrations)")

@@ -119,7 +119,8 @@ class RouterServer:
                                channels, tokenizer)
         targets = [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode]
         self.poller = StaticPoller(registry, targets, channels.get, config.poll_interval_s)
-        self.grpc = GrpcServer(host, port, max_workers=256,  # one thread per open stream
+        self.grpc = GrpcServer(host, port, config.max_requests_in_flight,
+                               ("/pdserve.v1.Router/Generate", "/pdserve.v1.Router/Embed"),
                                credentials=credentials)
         self.grpc.add(router_pb2_grpc.add_RouterServicer_to_server,
                       RouterServicer(self.core, self.index), [service_name(router_pb2, "Router")])
@@ -171,6 +172,10 @@ def add_cli(subparsers) -> None:
                    help="context length requests must fit, as the instances' (0: the model's)")
     p.add_argument("--max-logprobs", type=int, default=RouterConfig.max_logprobs,
                    help="most logprobs per position a request may ask for (-1: no cap)")
+    p.add_argument("--max-requests-in-flight", type=int,
+                   default=RouterConfig.max_requests_in_flight,
+                   help="Generate and Embed calls served at once; more are refused with "
+                        "RESOURCE_EXHAUSTED (heartbeats and listings always get through)")
     p.add_argument("--redis-url", default=None,
                    help="read the prefix index from this Redis (default: in-process, fed by "
                         "the instances' KV events)")
@@ -187,7 +192,8 @@ def run_router(args: argparse.Namespace) -> int:
                               prefill_attempts=args.prefill_attempts,
                               prefill_timeout_s=args.prefill_timeout_s,
                               max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
-                              max_migrations=args.max_migrations)
+                              max_migrations=args.max_migrations,
+                              max_requests_in_flight=args.max_requests_in_flight)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     index = (create_prefix_index(PrefixIndexConfig("redis", args.redis_url))

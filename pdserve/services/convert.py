@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+from pdserve import untrusted_json
 from pdserve.kv_transfer.connector import KVHandle
 from pdserve.outputs import Logprob
 from pdserve.pooling_params import PoolingParams
 from pdserve.proto.pdserve.v1 import common_pb2
-from pdserve.sampling_params import MAX_N_PER_REQUEST, SamplingParams
+from pdserve.sampling_params import SamplingParams
 from pdserve.structured_outputs import StructuredOutputsParams
 
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -20,9 +21,6 @@ _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
 def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Proto -> SamplingParams; invalid values raise ValueError naming the field."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    if kwargs.get("n", 1) > MAX_N_PER_REQUEST:
-        raise ValueError(f"n: at most {MAX_N_PER_REQUEST} sequences per request, "
-                         f"got {kwargs['n']}")
     for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words",
                  "logprob_token_ids"):
         values = list(getattr(msg, name))
@@ -32,9 +30,11 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         kwargs["logit_bias"] = dict(msg.logit_bias)
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
-    return SamplingParams(ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
-                          include_stop_str_in_output=msg.include_stop_str_in_output,
-                          flat_logprobs=msg.flat_logprobs, **kwargs)
+    params = SamplingParams(ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
+                            include_stop_str_in_output=msg.include_stop_str_in_output,
+                            flat_logprobs=msg.flat_logprobs, **kwargs)
+    params.verify_wire_limits()
+    return params
 
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -108,8 +108,8 @@ def handle_to_proto(h: KVHandle) -> common_pb2.KVHandle:
 
 def handle_from_proto(msg: common_pb2.KVHandle) -> KVHandle:
     try:
-        descriptor = json.loads(msg.descriptor_json)
-    except json.JSONDecodeError as e:
+        descriptor = untrusted_json.loads(msg.descriptor_json)
+    except ValueError as e:
         raise ValueError(f"handle.descriptor_json: not JSON ({e})") from e
     if not isinstance(descriptor, dict):
         raise ValueError(f"handle.descriptor_json: must be a JSON object, got "

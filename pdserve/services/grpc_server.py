@@ -13,17 +13,24 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.services.auth import AuthInterceptor, Credentials
+from pdserve.services.call_slots import SHORT_CALL_THREADS, CallSlots, CallSlotsInterceptor
 from pdserve.services.malformed import MalformedRequestInterceptor
 
 
 class GrpcServer:
     """A threaded gRPC server with health and reflection, bound to host:port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
-                 credentials: Credentials | None = None):
-        """`credentials`: who may call which method (auth.py); None: anyone."""
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_long_calls: int = 32,
+                 long_methods: Iterable[str] = (), credentials: Credentials | None = None):
+        """`credentials`: who may call which method (auth.py); None: anyone.
+        `long_methods` ("/package.Service/Method"): calls that hold a thread for long (streams,
+        generations); at most `max_long_calls` of them run at once, and SHORT_CALL_THREADS
+        more threads serve every other call (call_slots.py)."""
         interceptors = [AuthInterceptor(credentials)] if credentials is not None else []
         interceptors.append(MalformedRequestInterceptor())
+        self.long_calls = CallSlots(max_long_calls)
+        interceptors.append(CallSlotsInterceptor(self.long_calls, long_methods))
+        max_workers = max_long_calls + SHORT_CALL_THREADS
         self.server = grpc.server(ThreadPoolExecutor(max_workers=max_workers),
                                   interceptors=interceptors,
                                   options=[("grpc.so_reuseport", 0)])

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from pdserve.kv_transfer.connector import KVConnector, KVHandle
 
 logger = logging.getLogger(__name__)
+# The calls that hold a server thread while the engine works (call_slots.py).
+LONG_METHODS = ("/pdserve.v1.Prefill/Prefill", "/pdserve.v1.Decode/Decode",
+                "/pdserve.v1.Pooling/Embed")
+MAX_REQUESTS_IN_FLIGHT = 512
 
 
 class Instance:
@@ -36,13 +40,14 @@ class Instance:
     def __init__(self, role: str, engine_args: EngineArgs, connector_kind: str,
                  host: str = "127.0.0.1", port: int = 0, instance_id: str | None = None,
                  router: str | None = None, redis_url: str | None = None,
-                 credentials: Credentials = Credentials()):
+                 credentials: Credentials = Credentials(),
+                 max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT):
         from pdserve.engine.llm_engine import LLMEngine  # torch: not imported for --help
 
         self.role = role
         self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.channels = ChannelPool(credentials)
-        self.server = GrpcServer(host, port, max_workers=128,  # one thread per open stream
+        self.server = GrpcServer(host, port, max_requests_in_flight, LONG_METHODS,
                                  credentials=credentials)
         self.address = self.server.address
         self.connector_kind = connector_kind
@@ -154,6 +159,10 @@ def add_instance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-id", default=None)
     parser.add_argument("--redis-url", default=None,
                         help="publish KV events and heartbeats to this Redis prefix index")
+    parser.add_argument("--max-requests-in-flight", type=int, default=MAX_REQUESTS_IN_FLIGHT,
+                        help="prefills, decodes and embeddings this instance takes at once "
+                             "(the engine queues what it cannot batch); more are refused with "
+                             "RESOURCE_EXHAUSTED, so health and load calls always get through")
     add_credential_args(parser)
     add_log_args(parser)
     add_cpu_args(parser)
@@ -168,7 +177,8 @@ def run_instance(role: str, args: argparse.Namespace, register) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     instance = Instance(role, EngineArgs.from_cli_args(args), args.connector, args.host,
-                        args.port, args.instance_id, args.router, args.redis_url, credentials)
+                        args.port, args.instance_id, args.router, args.redis_url, credentials,
+                        args.max_requests_in_flight)
     register(instance)
     instance.start()
     logger.info("%s instance %s serving %s; gRPC on %s, KV connector %s, router %s%s", role,

@@ -217,6 +217,7 @@ def test_bad_requests_are_value_errors_and_leave_nothing_behind(tiny_llm):
         ("word " * 3000, SamplingParams(), "max_model_len"),
         ("ok", SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
         ("ok", SamplingParams(allowed_token_ids=[vocab + 1]), "allowed_token_ids"),
+        ("ok", SamplingParams(logprob_token_ids=list(range(21))), "logprob_token_ids"),
         (12, SamplingParams(), "prompt"),
     ]
     for prompt, params, field in cases:

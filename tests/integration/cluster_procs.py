@@ -115,6 +115,19 @@ class GatewayProcess:
         stop_process(self.proc)
 
 
+def all_free(cluster) -> bool:
+    """Every instance of `cluster` has all its KV blocks free and no lease held."""
+    from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2_grpc
+
+    for child in cluster.instances:
+        stub = (engine_pb2_grpc.PrefillStub if child.role == "prefill"
+                else engine_pb2_grpc.DecodeStub)(grpc.insecure_channel(child.address))
+        load = stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
+        if load.free_blocks != load.total_blocks or load.leased_requests:
+            return False
+    return True
+
+
 def wait_for(predicate, timeout: float = 15, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -74,6 +74,7 @@ def still_serves(p, d, decode_proc, want, rid):
     ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", "[]")),
     ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", "null")),
     ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", '"shm"')),
+    ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", "[" * 5000)),
 ])
 def test_forged_handle_fields_are_refused(pd, want, field, forge):
     p, d, decode_proc, connector = pd

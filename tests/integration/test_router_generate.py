@@ -5,14 +5,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_procs import wait_for
+from cluster_procs import all_free, wait_for
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
 from pdserve.kv_transfer import nixl_available
 from pdserve.proto.pdserve.v1 import (
     common_pb2,
-    engine_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
 )
@@ -66,16 +65,6 @@ def generate(cluster, prompt, timeout=30, **sampling):
 
 def tokens(msgs, index=0):
     return [t for m in msgs if m.index == index for t in m.token_ids]
-
-
-def all_free(cluster):
-    for child in cluster.instances:
-        stub = (engine_pb2_grpc.PrefillStub if child.role == "prefill"
-                else engine_pb2_grpc.DecodeStub)(grpc.insecure_channel(child.address))
-        load = stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
-        if load.free_blocks != load.total_blocks or load.leased_requests:
-            return False
-    return True
 
 
 def test_text_prompt_is_tokenized_like_the_engine(clusters, llm):
@@ -147,6 +136,8 @@ def test_n2_prefills_on_decode(clusters, llm):
     (list(range(50)), {"max_tokens": 0}, "max_tokens"),
     (list(range(50)), {"n": 2, "temperature": 0}, "n"),
     (list(range(50)), {"n": 129, "temperature": 1.0}, "n"),  # at most 128 sequences
+    (list(range(50)), {"stop": ["x"] * 129}, "stop"),  # checked at every token: bounded
+    (list(range(50)), {"bad_words": ["x"] * 1025}, "bad_words"),
     ("", {}, "prompt"),
     ([], {}, "prompt"),
     (None, {}, "prompt"),
@@ -172,6 +163,7 @@ def test_invalid_arguments(clusters, prompt, sampling, field):
     (list(range(3000)), {"max_tokens": 1}, "prompt"),  # the tiny model's context is 2,048
     (list(range(50)), {"logprobs": 21}, "logprobs"),
     (list(range(50)), {"prompt_logprobs": 100}, "prompt_logprobs"),
+    (list(range(50)), {"logprob_token_ids": list(range(21))}, "logprob_token_ids"),
 ])
 def test_caps_equal_the_http_gateways(clusters, prompt, sampling, field):
     cluster = clusters("shm")
