@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 # (n: OpenAI's bound) and items of the lists checked at every generated token. In-process
 # callers of LLM/LLMEngine are not bounded.
 WIRE_LIMITS = {"n": 128, "stop": 128, "stop_token_ids": 1024, "bad_words": 1024}
+MAX_BAD_WORD_CHARS = 256  # each is tokenized on the engine's thread, twice
 _SAMPLING_EPS = 1e-5
 _MIN_TEMP = 1e-2
 
@@ -272,6 +273,10 @@ class SamplingParams:
             count = value if name == "n" else len(value or ())
             if count > limit:
                 raise ValueError(f"{name}: at most {limit} per request, got {count}")
+        longest = max(map(len, self.bad_words or ()), default=0)
+        if longest > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORD_CHARS} characters a word, got "
+                             f"{longest}")
 
     def verify_max_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
         """Raise ValueError if logprobs, prompt_logprobs or logprob_token_ids asks for more

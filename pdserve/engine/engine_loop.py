@@ -33,6 +33,10 @@ class StreamTimeout(TimeoutError):
     """No output arrived within the caller's deadline."""
 
 
+class RequestAborted(RuntimeError):
+    """The request was aborted before it finished: its stream's last item."""
+
+
 class OutputStream:
     """The outputs of one request, in order; the last one has `finished` set."""
 
@@ -165,6 +169,7 @@ class EngineLoop:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 self.engine.abort_request(request_id)
+                stream.put(RequestAborted(f"request {request_id}: aborted"))  # ends any wait
                 if self.request_log is not None:
                     self.request_log.ended(request_id, "abort")
             return stream is not None

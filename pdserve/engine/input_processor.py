@@ -8,7 +8,6 @@ from collections.abc import Mapping
 
 from pdserve.config import ModelConfig
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import skip_seeded_draws
 from pdserve.engine.structured_output import StructuredOutputManager
 from pdserve.kv_transfer.connector import KVHandle
 from pdserve.sampling_params import SamplingParams
@@ -84,6 +83,9 @@ class InputProcessor:
                              f"max_model_len={self.max_len}")
         if remote_kv is not None:
             remote_kv.check(len(prompt_ids), self.block_size)
+            if not prefilled and remote_kv.num_tokens == len(prompt_ids):
+                raise ValueError("output_token_ids: needed with a handle covering the whole "
+                                 "prompt (its last token is computed here, to sample from)")
         bad_words = self._tokenize_bad_words(params.bad_words or [])
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
@@ -103,8 +105,6 @@ class InputProcessor:
                 remote_kv=remote_kv, output_token_ids=list(prefilled))
             if params.structured_outputs is not None:
                 child.grammar = self.grammars.grammar_for(params.structured_outputs.spec)
-            if child.generator is not None and not child_params.is_greedy:
-                skip_seeded_draws(child.generator, self.vocab_size, len(prefilled))
             children.append(child)
         return children
 

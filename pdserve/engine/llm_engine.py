@@ -137,6 +137,8 @@ class LLMEngine:
                                                           kv_transfer_params)
         for child in children:  # n > 1 names its sequences "{i}_{request_id}"
             self._check_id_free(child.request_id)
+        if children[0].remote_kv is not None and self.connector.kind == "none":
+            raise ValueError("handle: this engine has no KV connector to load it with")
         self.output_processor.add(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)

@@ -77,16 +77,19 @@ class Request:
     pending_remote_tokens: int = 0  # tokens a remote KV load in flight will provide
     # Chained hashes of this request's full blocks (prompt and output), see block_hash.py.
     block_hashes: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     # Structured outputs: where this sequence is in its grammar (None: unconstrained).
     grammar: GrammarState | None = None
     # Embeddings: pool the last prompt token's hidden state instead of sampling (pooling.py).
     pooling_params: PoolingParams | None = None
 
-    def __post_init__(self) -> None:
+    def next_draw_generator(self) -> torch.Generator | None:
+        """The generator of this sequence's next random draw; None when it has no seed. It
+        depends on (seed, output position) only, so a sequence continued on another instance
+        draws there what it would have drawn here, without replaying the draws before."""
         seed = self.sampling_params.seed
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed)
+        if seed is None:
+            return None
+        return torch.Generator().manual_seed(_mix64(seed, self.num_output_tokens))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -112,3 +115,14 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+
+def _mix64(seed: int, position: int) -> int:
+    """64 well-mixed bits of (seed, position): splitmix64's finalizer over a combination."""
+    z = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+_MASK64 = (1 << 64) - 1

@@ -275,13 +275,13 @@ def _exponential_race(probs: torch.Tensor, rows: Sequence[Request]) -> torch.Ten
     A seeded row draws q from its own generator only, so its token ignores the rest of the
     batch; other rows share the global RNG."""
     q = torch.empty_like(probs)  # (n, V)
-    unseeded = [j for j, row in enumerate(rows) if row.generator is None]
+    unseeded = [j for j, row in enumerate(rows) if row.sampling_params.seed is None]
     if unseeded:
         idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
         q[idx] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype,
                              device=probs.device).exponential_()
     for j, row in enumerate(rows):
-        gen = row.generator
+        gen = row.next_draw_generator()
         if gen is not None:
             draw = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
             q[j] = draw.exponential_(generator=gen).to(probs.device)
@@ -320,11 +320,3 @@ def _logprob_dicts(
                 d.setdefault(t, (v, rk))
         out.append(d)
     return out
-
-
-def skip_seeded_draws(generator: torch.Generator, vocab_size: int, num_steps: int) -> None:
-    """Advance a seeded row's generator past `num_steps` random samples taken elsewhere (the
-    prefill instance sampled the first token), so the rest matches a colocated run."""
-    for _ in range(num_steps):
-        torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(
-            generator=generator)

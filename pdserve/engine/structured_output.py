@@ -60,10 +60,14 @@ class GrammarState:
 
         self._matcher = xgr.GrammarMatcher(compiled)
         for i, token in enumerate(prior_tokens):
-            if not self._matcher.accept_token(token):
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 self.error = (f"output_token_ids: token {token} at position {i} does not match "
                               f"the request's structured_outputs constraint")
                 return False
+        if self._matcher.is_terminated():  # there is nothing left to generate
+            self.error = ("output_token_ids: the structured_outputs constraint is already "
+                          "complete (they end with its stop token)")
+            return False
         return True
 
     @property
@@ -134,7 +138,7 @@ class StructuredOutputManager:
 def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[Request]) -> None:
     """In place on logits (B, V): forbid, in each constrained row, what its grammar forbids."""
     constrained = [i for i, row in enumerate(rows) if row.grammar is not None
-                   and row.grammar.active]
+                   and row.grammar.active and not row.grammar.is_terminated]
     if not constrained:
         return
     import xgrammar as xgr

@@ -23,7 +23,7 @@ class CallSlots:
 
     def __init__(self, limit: int):
         if limit < 1:
-            raise ValueError(f"limit: must be at least 1, got {limit}")
+            raise ValueError(f"max_requests_in_flight must be >= 1, got {limit}")
         self.limit = limit
         self._lock = threading.Lock()
         self.in_use = 0

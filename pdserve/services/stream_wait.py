@@ -2,22 +2,24 @@
 
 No fixed per-output timeout: a request queued behind long prefills on a loaded instance is
 slow, not failed. The wait ends at the client's deadline (DEADLINE_EXCEEDED), when the client
-goes away, or when the engine reports an error on the stream (its loop died).
+goes away, when the request is aborted (ABORTED), or when the engine reports an error on the
+stream (its loop died).
 """
 
 from __future__ import annotations
 
 import grpc
 
-from pdserve.engine.engine_loop import OutputStream, StreamTimeout
+from pdserve.engine.engine_loop import OutputStream, RequestAborted, StreamTimeout
 from pdserve.outputs import RequestOutput
 
 POLL_S = 1.0  # how often a waiting handler checks that its client is still there
 
 
 def next_output(stream: OutputStream, context: grpc.ServicerContext) -> RequestOutput:
-    """The stream's next output; aborts the RPC at the client's deadline or departure.
-    Raises what the stream raises when the engine failed (RuntimeError)."""
+    """The stream's next output; aborts the RPC at the client's deadline or departure, or
+    when the request was aborted (ABORTED). Raises what the stream raises when the engine
+    failed (RuntimeError)."""
     while True:
         left = context.time_remaining()  # None: the client set no deadline
         if left is not None and left <= 0:
@@ -25,6 +27,8 @@ def next_output(stream: OutputStream, context: grpc.ServicerContext) -> RequestO
                           f"request {stream.request_id}: deadline passed")
         try:
             return stream.get(timeout=POLL_S if left is None else min(POLL_S, left))
+        except RequestAborted as e:
+            context.abort(grpc.StatusCode.ABORTED, str(e))
         except StreamTimeout:
             if not context.is_active():
                 context.abort(grpc.StatusCode.CANCELLED,

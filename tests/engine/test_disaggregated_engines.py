@@ -130,6 +130,22 @@ def test_an_id_holding_a_lease_is_refused_until_released(pd_pair):
     assert prefill.num_free_blocks == prefill.num_blocks
 
 
+def test_an_engine_without_a_connector_refuses_handles(tiny_model_dir, pd_pair):
+    """It has nothing to load them with: refused at once, not failed inside a step."""
+    prefill, _, _ = pd_pair
+    prefill.add_request("h", PROMPT, SamplingParams(max_tokens=1),
+                        kv_transfer_params={"do_remote_decode": True})
+    out = run(prefill)["h"]
+    bare = engine(tiny_model_dir, "bare")
+    with pytest.raises(ValueError, match="handle"):
+        bare.add_request("h", {"prompt_token_ids": out.prompt_token_ids},
+                         SamplingParams(max_tokens=4), kv_transfer_params={
+                             "remote_handle": out.kv_transfer_params["handle"],
+                             "output_token_ids": out.outputs[0].token_ids})
+    assert not bare.has_unfinished_requests()
+    assert prefill.release_kv("h")
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_pull_recomputes_or_fails_clearly(tiny_model_dir, pd_pair, policy):
     prefill, _, _ = pd_pair

@@ -147,3 +147,35 @@ def test_more_output_tokens_than_the_context_holds_are_refused(pd, want):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "output_token_ids" in e.value.details()
     still_serves(p, d, decode_proc, want, rid + "-after")
+
+
+def test_a_handle_for_the_whole_prompt_needs_the_first_token(pd, want):
+    """Its KV leaves no prompt token to compute here: the step would sample from a row that
+    belongs to nobody (or to another request)."""
+    p, d, decode_proc, connector = pd
+    rid = f"whole-{connector}"
+    first = prefill(p, rid)
+    with pytest.raises(grpc.RpcError) as e:
+        list(d.Decode(engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=PROMPT,
+                                               sampling=GREEDY, handle=first.handle),
+                      timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "output_token_ids" in e.value.details()
+    still_serves(p, d, decode_proc, want, rid + "-after")
+
+
+def test_tokens_that_already_complete_a_grammar_fail_only_their_request(pd, want,
+                                                                         tiny_model_dir):
+    p, d, decode_proc, connector = pd
+    if connector != "shm":
+        pytest.skip("no KV transfer involved: once is enough")
+    tok = LLM(str(tiny_model_dir), kv_cache_memory_bytes=8 << 20).get_tokenizer()
+    [a] = tok.encode("a", add_special_tokens=False)
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=8)
+    sampling.structured_outputs.regex = "a"
+    with pytest.raises(grpc.RpcError) as e:
+        list(d.Decode(engine_pb2.DecodeRequest(
+            request_id="complete", prompt_token_ids=PROMPT, sampling=sampling,
+            output_token_ids=[a, tok.eos_token_id]), timeout=30))
+    assert "output_token_ids" in e.value.details()
+    still_serves(p, d, decode_proc, want, "complete-after")

@@ -96,6 +96,22 @@ def test_cancel_mid_stream_frees_decode_blocks(pd):
     assert wait_for(lambda: all_free(d))
 
 
+def test_an_aborted_decode_ends_its_stream_at_once(pd):
+    """Abort (a cluster member's call) ends the request's stream with ABORTED instead of
+    leaving its client waiting until its deadline."""
+    p, d, _, _ = pd
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    call = d.Decode(engine_pb2.DecodeRequest(request_id="aborted", prompt_token_ids=PROMPT_IDS,
+                                             sampling=sampling), timeout=30)
+    next(call)
+    assert d.Abort(common_pb2.AbortRequest(request_id="aborted"), timeout=5).found
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    assert e.value.code() == grpc.StatusCode.ABORTED, e.value.details()
+    assert wait_for(lambda: all_free(d))
+
+
 @pytest.mark.parametrize("sampling, field", [
     (common_pb2.SamplingParams(temperature=-1), "temperature"),
     (common_pb2.SamplingParams(top_p=2.0), "top_p"),

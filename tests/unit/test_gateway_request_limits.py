@@ -82,6 +82,7 @@ def test_chat_template_kwargs_hold_only_template_variables(client, kwargs):
     ({**CHAT, "stop": ["x"] * 129}, "stop"),
     ({**CHAT, "stop_token_ids": [5] * 1025}, "stop_token_ids"),
     ({**CHAT, "bad_words": ["x"] * 1025}, "bad_words"),
+    ({**CHAT, "bad_words": ["x" * 257]}, "bad_words"),
     ({**CHAT, "n": 129, "temperature": 1}, "n"),
 ])
 def test_lists_checked_at_every_token_are_bounded(client, backend, body, param):

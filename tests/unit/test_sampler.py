@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, prompt_logprobs, sampling_probs
 from pdserve.sampling_params import SamplingParams
 
@@ -21,12 +22,12 @@ class Row:
     output_token_ids: list[int] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     eos_token_id: int | None = None
-    generator: torch.Generator | None = None
     grammar: object = None  # structured outputs: tested in tests/engine/test_structured_outputs
+    next_draw_generator = Request.next_draw_generator
 
-    def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
 
 def make_logits(batch: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
@@ -213,12 +214,17 @@ def test_seeded_sequence_is_reproducible_and_seed_dependent():
     logits = make_logits(1, seed=9)
     flat = logits.expand(1, V) * 0.1  # near-uniform so seeds diverge
 
-    def run(seed: int) -> list[int]:
-        row = Row(SamplingParams(seed=seed))
-        return [Sampler(V)(flat, [row])[0].token_id for _ in range(20)]
+    def run(seed: int, given: list[int] = (), steps: int = 20) -> list[int]:
+        row = Row(SamplingParams(seed=seed), output_token_ids=list(given))
+        for _ in range(steps):  # the engine appends each sampled token
+            row.output_token_ids.append(Sampler(V)(flat, [row])[0].token_id)
+        return row.output_token_ids
 
-    assert run(1) == run(1)
+    assert run(1) == run(1) and len(set(run(1))) > 1
     assert run(1) != run(2)
+    # Continued elsewhere with the tokens so far (a migration, a prefill's first token), a
+    # sequence draws what it would have drawn, with nothing replayed.
+    assert run(1, given=run(1)[:12], steps=8) == run(1)
 
 
 def test_logprobs_are_raw_with_correct_ranks():
