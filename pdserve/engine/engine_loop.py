@@ -165,16 +165,24 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it was not running here."""
-        def abort() -> bool:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                self.engine.abort_request(request_id)
-                stream.put(RequestAborted(f"request {request_id}: aborted"))  # ends any wait
-                if self.request_log is not None:
-                    self.request_log.ended(request_id, "abort")
-            return stream is not None
+        return self.call(self._abort, request_id)
 
-        return self.call(abort)
+    def abort_soon(self, request_id: str) -> None:
+        """`abort` without waiting for the step in progress: for threads that must not block
+        (gRPC runs an RPC's done-callbacks on the thread that serves every call's events)."""
+        self._calls.put((Future(), self._abort, (request_id,)))
+        self._wake.set()
+        if self._stopped.is_set() or not self._thread.is_alive():
+            self._run_calls()
+
+    def _abort(self, request_id: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.engine.abort_request(request_id)
+            stream.put(RequestAborted(f"request {request_id}: aborted"))  # ends any wait
+            if self.request_log is not None:
+                self.request_log.ended(request_id, "abort")
+        return stream is not None
 
     def release_kv(self, request_id: str) -> bool:
         return self.call(self.engine.release_kv, request_id)

@@ -240,8 +240,9 @@ class Scheduler:
         first, last = num_cached // self.block_size, cdiv(num_remote, self.block_size)
         local = self.kv.get_block_table(request.request_id)[first:last]
         request.remote_kv = None  # NOTE: one attempt; a failure falls back or fails below
-        if not local:
+        if not local:  # every block is cached here
             request.num_computed_tokens = num_remote
+            self.connector.skip_load(handle)
             return True
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = request

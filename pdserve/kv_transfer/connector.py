@@ -125,6 +125,10 @@ class KVConnector:
                    local_block_ids: list[int]) -> None:
         raise KVTransferError("this engine has no KV connector to load remote blocks with")
 
+    def skip_load(self, handle: KVHandle) -> None:
+        """Every block `handle` describes is cached here already: nothing is read, and the
+        producer may end its lease."""
+
     def take_finished_loads(self) -> list[LoadResult]:
         return []
 
@@ -139,8 +143,9 @@ class KVConnector:
 class TransportConnector(KVConnector):
     """A connector over one `KVTransport` (shm, tcp or nixl), loading on a worker thread.
 
-    `on_loaded(handle)` runs on the worker thread after every load attempt, so the producer
-    can release its lease (the decode service passes its Release call). It runs once the
+    `on_loaded(handle)` runs on the worker thread after every load attempt, and when there is
+    nothing to load, so the producer can release its lease (the decode service passes its
+    Release call). It runs once the
     engine has the result: the producer answers a release between its own engine steps, and
     a decode that waited for that answer waited up to a whole prefill step (20-40 ms on
     average, from logs of `benchmarks/disagg_vs_colocated.py`) before its first step.
@@ -178,6 +183,15 @@ class TransportConnector(KVConnector):
         self._pool.submit(self._load, request_id, handle, list(remote_block_ids),
                           list(local_block_ids))
 
+    def skip_load(self, handle: KVHandle) -> None:
+        self._pool.submit(self._let_go, handle)
+
+    def _let_go(self, handle: KVHandle) -> None:
+        try:
+            self.on_loaded(handle)
+        except Exception:  # noqa: BLE001 - best effort: the producer's lease expires anyway
+            logger.exception("after reading nothing of %s: on_loaded failed", handle.request_id)
+
     def _load(self, request_id: str, handle: KVHandle, remote: list[int],
               local: list[int]) -> None:
         start = time.perf_counter()
@@ -196,10 +210,7 @@ class TransportConnector(KVConnector):
         self._done.put(result)
         for listener in self._load_listeners:
             listener()
-        try:
-            self.on_loaded(handle)
-        except Exception:  # noqa: BLE001 - best effort: the producer's lease expires anyway
-            logger.exception("after loading %s: on_loaded failed", request_id)
+        self._let_go(handle)
 
     def take_finished_loads(self) -> list[LoadResult]:
         out = []

@@ -78,8 +78,7 @@ class RouterCore:
             pass
 
     def is_down(self, instance: Instance, role: str = "decode") -> bool:
-        """Probe an instance (its load report never waits for a model step): True when it
-        does not answer."""
+        """True when an instance does not answer a probe (GetLoad, never behind a step)."""
         stubs = {"decode": self.channels.decode, "prefill": self.channels.prefill}
         try:
             stubs[role](instance.address).GetLoad(
@@ -121,7 +120,8 @@ class GenerateFlow:
         self._lease: tuple[str, str] | None = None  # (P address, id) the router must release
         self._error: str | None = None  # the status the router ended the call with
         self.log = RouterRequestLog(self.rid) if self.config.log_requests else None
-        context.add_callback(self._on_rpc_done)
+        if not context.add_callback(self._on_rpc_done):
+            self._on_rpc_done()  # the RPC had ended already
 
     # ------------------------------------------------------------------ the flow
     def run(self) -> Iterator[common_pb2.GenerateResponse]:

@@ -11,7 +11,7 @@ from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.sampling_params import RequestOutputKind
 from pdserve.services.grpc_server import service_name
 from pdserve.services.instance import Instance, add_instance_args, run_instance
-from pdserve.services.stream_wait import next_output
+from pdserve.services.stream_wait import abort_when_done, next_output
 
 
 
@@ -38,7 +38,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                                       params, kv or None, output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.loop.abort(rid))  # no-op once finished
+        abort_when_done(context, self.loop, rid)
         yield from self._stream(rid, stream, request, context)
 
     def _stream(self, rid, stream, request, context):

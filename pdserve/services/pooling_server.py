@@ -11,7 +11,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.services.grpc_server import service_name
-from pdserve.services.stream_wait import next_output
+from pdserve.services.stream_wait import abort_when_done, next_output
 
 if TYPE_CHECKING:
     from pdserve.services.instance import Instance
@@ -35,7 +35,7 @@ class PoolingServicer(engine_pb2_grpc.PoolingServicer):
                                       pooling)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.loop.abort(rid))  # no-op once finished
+        abort_when_done(context, self.loop, rid)
         try:
             out = next_output(stream, context)
         except RuntimeError as e:  # the engine loop died

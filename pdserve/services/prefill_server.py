@@ -12,7 +12,7 @@ from pdserve.proto.pdserve.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.sampling_params import RequestOutputKind
 from pdserve.services.grpc_server import service_name
 from pdserve.services.instance import Instance, add_instance_args, run_instance
-from pdserve.services.stream_wait import next_output
+from pdserve.services.stream_wait import abort_when_done, next_output
 
 
 
@@ -40,7 +40,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                                       output_kind=RequestOutputKind.FINAL_ONLY)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.loop.abort(rid))
+        abort_when_done(context, self.loop, rid)
         try:
             out = next_output(stream, context)
         except RuntimeError as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.engine.engine_loop import OutputStream, RequestAborted, StreamTimeout
+from pdserve.engine.engine_loop import EngineLoop, OutputStream, RequestAborted, StreamTimeout
 from pdserve.outputs import RequestOutput
 
 POLL_S = 1.0  # how often a waiting handler checks that its client is still there
@@ -33,3 +33,10 @@ def next_output(stream: OutputStream, context: grpc.ServicerContext) -> RequestO
             if not context.is_active():
                 context.abort(grpc.StatusCode.CANCELLED,
                               f"request {stream.request_id}: the client went away")
+
+
+def abort_when_done(context: grpc.ServicerContext, loop: EngineLoop, request_id: str) -> None:
+    """Abort `request_id` on the engine when the RPC ends (a no-op once it finished), or now
+    if the RPC has ended already (its client left while the request was being queued)."""
+    if not context.add_callback(lambda: loop.abort_soon(request_id)):
+        loop.abort_soon(request_id)

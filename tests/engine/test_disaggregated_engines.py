@@ -95,6 +95,26 @@ def test_decode_pulls_only_uncached_blocks(pd_pair):
         block_bytes
 
 
+def test_a_prompt_cached_whole_on_the_decode_side_still_lets_the_lease_go(pd_pair):
+    """Nothing to read (every block of a 32-token prompt is cached on the decode side), and
+    yet the producer hears at once that the reader is done, instead of at its lease's end."""
+    prefill, decode, released = pd_pair
+    ids = list(range(500, 532))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for rid in ("first", "again"):
+        prefill.add_request(rid, {"prompt_token_ids": ids}, SamplingParams(max_tokens=1),
+                            kv_transfer_params={"do_remote_decode": True})
+        p_out = run(prefill)[rid]
+        decode.add_request(rid, {"prompt_token_ids": ids}, params, kv_transfer_params={
+            "remote_handle": p_out.kv_transfer_params["handle"],
+            "output_token_ids": p_out.outputs[0].token_ids})
+        d_out = run(decode)[rid]
+        assert wait_for(lambda: released and released[-1].request_id == rid)
+        assert prefill.release_kv(rid)
+    assert d_out.num_cached_tokens == 32  # the second read nothing
+    assert decode.scheduler.load_results[-1].request_id == "first"
+
+
 def test_lease_expiry_frees_prefill_blocks(tiny_model_dir):
     connector = TransportConnector(make_transport("shm", "lease"))
     prefill = engine(tiny_model_dir, "p", connector, kv_lease_s=0.2)

@@ -5,7 +5,8 @@ import threading
 import pytest
 
 from pdserve import EngineArgs, LLMEngine, SamplingParams
-from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.engine_loop import EngineLoop, RequestAborted
+from pdserve.services.stream_wait import abort_when_done
 
 
 class CountingEngine(LLMEngine):
@@ -132,3 +133,44 @@ def test_load_reports_never_wait_for_the_step_in_progress(tiny_model_dir):
     finally:
         release.set()
         loop.stop()
+
+
+def test_abort_soon_never_waits_for_the_engine_and_ends_the_stream(loop):
+    """gRPC runs done-callbacks on the thread that serves every call's events: an abort
+    there must not wait for the engine (here held between two steps by another call)."""
+    stream = long_request(loop, "gone")
+    stream.get(timeout=30)
+    gate, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=loop.call, args=(lambda: (held.set(), gate.wait()),))
+    holder.start()
+    try:
+        assert held.wait(timeout=30)  # the engine's thread is inside that call
+        caller = threading.Thread(target=loop.abort_soon, args=("gone",))
+        caller.start()
+        caller.join(timeout=10)
+        assert not caller.is_alive()  # returned while the engine was held
+    finally:
+        gate.set()
+    holder.join(timeout=30)
+    with pytest.raises(RequestAborted):
+        while True:
+            stream.get(timeout=30)
+    assert not loop.engine.has_unfinished_requests()
+
+
+class EndedRPC:
+    """A servicer context whose RPC has ended already: gRPC refuses new callbacks."""
+
+    def add_callback(self, callback) -> bool:
+        return False
+
+
+def test_a_request_queued_after_its_rpc_ended_is_aborted_at_once(loop):
+    """The client left while `submit` waited for the step in flight: nobody will read the
+    request's outputs, so it is aborted instead of generating to max_tokens."""
+    stream = long_request(loop, "orphan")
+    abort_when_done(EndedRPC(), loop, "orphan")
+    with pytest.raises(RequestAborted):
+        while True:
+            stream.get(timeout=30)
+    assert loop.call(lambda: not loop.engine.has_unfinished_requests())
