@@ -19,7 +19,7 @@ import uuid
 import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2
-from pdserve.router.generate_flow import DOWN_CODES, RouterCore
+from pdserve.router.core import DOWN_CODES, RouterCore
 from pdserve.router.prompts import prompt_ids
 from pdserve.router.registry import Instance
 from pdserve.services.convert import pooling_from_proto

@@ -66,8 +66,13 @@ def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = 
 
     Raises ValueError naming the field for a Load the router cannot use."""
     address = address or load.address
-    if not address:
-        raise ValueError("address: the instance must report its gRPC address")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 255:
+        raise ValueError(f"address: expected the instance's gRPC HOST:PORT, got "
+                         f"{address[:80]!r}")
+    if load.block_size and (load.block_size > 1024 or load.block_size & (load.block_size - 1)):
+        raise ValueError(f"block_size: expected a power of two up to 1024, got "
+                         f"{load.block_size}")
     role = role or load.role
     if role not in ROLES:
         raise ValueError(f"role: expected prefill, decode or colocated, got {role!r}")

@@ -35,6 +35,10 @@ class Continuation:
                                         sampling=sampling, output_token_ids=self.token_ids)
 
 
+class BrokenDecodeStream(ValueError):
+    """D sent a message no decode of this request can send."""
+
+
 class Relay:
     """Turns D's messages into the client's; one Relay per Decode call."""
 
@@ -48,6 +52,7 @@ class Relay:
         self.served = served
         self.cached_tokens = cached_tokens
         self.received = False  # D sent something (a retry elsewhere is no longer possible)
+        self.n = n
         self.unfinished = set(range(n))
         self.sent = Continuation(list(sent.token_ids), sent.text,
                                  sent.cumulative_logprob) if sent else Continuation()
@@ -66,7 +71,10 @@ class Relay:
         return sorted(self.unfinished)
 
     def forward(self, msg: common_pb2.GenerateResponse) -> common_pb2.GenerateResponse | None:
-        """The client's version of `msg`, or None when nothing is left to send."""
+        """The client's version of `msg`, or None when nothing is left to send;
+        BrokenDecodeStream for a message of no sequence of this request."""
+        if not 0 <= msg.index < self.n:
+            raise BrokenDecodeStream(f"index: {msg.index} is outside [0, {self.n})")
         self.received = True
         out = common_pb2.GenerateResponse()
         out.CopyFrom(msg)

@@ -165,5 +165,8 @@ class Planner:
 
 
 def compatible(prefill: Instance, decode: Instance) -> bool:
-    """A decode instance reads only handles of its own connector kind."""
-    return not prefill.connector or not decode.connector or prefill.connector == decode.connector
+    """A decode instance reads only handles of its own connector kind and block size."""
+    same_blocks = not prefill.block_size or not decode.block_size \
+        or prefill.block_size == decode.block_size
+    return same_blocks and (not prefill.connector or not decode.connector
+                            or prefill.connector == decode.connector)

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
@@ -26,6 +26,8 @@ from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL, load_arch, load_tokenizer, resolve_model
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
+from pdserve.router.core import RouterCore
+from pdserve.router.kv_events import check_medium
 from pdserve.router.kv_events_wire import batch_from_proto
 from pdserve.router.prefix_index import (
     PrefixIndex,
@@ -37,9 +39,6 @@ from pdserve.router.routing import Planner, RouterConfig
 from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
 from pdserve.services.grpc_server import GrpcServer, service_name
 from pdserve.services.instance import heartbeat_info
-
-if TYPE_CHECKING:  # generate_flow imports torch (through the KV handle): not for --help
-    from pdserve.router.generate_flow import RouterCore
 
 DEFAULT_PORT = 50051
 logger = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "instance_id: must not be empty")
         try:
             applied = self.index.resync(request.instance_id, list(request.block_hashes),
-                                        request.seq, request.medium or "gpu")
+                                        request.seq, check_medium(request.medium or "gpu"))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return router_pb2.PublishKVEventsResponse(applied=applied)
@@ -102,8 +101,6 @@ class RouterServer:
                  prefill: Sequence[str] = (), decode: Sequence[str] = (),
                  index: PrefixIndex | None = None, tokenizer: Any = None,
                  credentials: Credentials = Credentials()):
-        from pdserve.router.generate_flow import RouterCore
-
         for address in (*prefill, *decode):
             if ":" not in address:
                 raise ValueError(f"--prefill/--decode: expected HOST:PORT, got {address!r}")

@@ -109,6 +109,23 @@ def test_member_heartbeat_with_a_negative_count_is_refused_naming_it(cluster, wa
     assert tokens == want and last.served_by.decode_instance == "decode-0"
 
 
+def test_member_kv_events_with_an_oversized_medium_are_refused_naming_it(cluster, want):
+    """The medium is stored beside every block a batch or snapshot names: a short name only."""
+    member = [(TOKEN_HEADER, SECRET)]
+    huge = "m" * 100_000
+    batch = router_pb2.KVEventBatch(instance_id="decode-0", seq=10**6, medium=huge)
+    snapshot = router_pb2.KVStateSnapshot(instance_id="decode-0", seq=10**6, medium=huge,
+                                          block_hashes=[1, 2, 3])
+    for call in (lambda: router(cluster).PublishKVEvents(batch, timeout=5, metadata=member),
+                 lambda: router(cluster).ResyncKVState(snapshot, timeout=5, metadata=member)):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "medium" in e.value.details()
+    tokens, last = generate(cluster, [("authorization", f"Bearer {API_KEY}")])
+    assert tokens == want and last.served_by.decode_instance == "decode-0"
+
+
 def test_instances_refuse_calls_without_the_cluster_secret(cluster, want):
     prefill = cluster.child("prefill-0").address
     decode = cluster.child("decode-0").address

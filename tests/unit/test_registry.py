@@ -57,7 +57,11 @@ def test_roles(reg, role, live_as_prefill, live_as_decode):
     (load(running_requests=-1), "running_requests"),
     (load(waiting_requests=-5), "waiting_requests"),
     (load(waiting_tokens=-1), "waiting_tokens"), (load(free_blocks=-1), "free_blocks"),
-    (load(total_blocks=-2), "total_blocks")])
+    (load(total_blocks=-2), "total_blocks"),
+    # a channel is opened to every address routed to: HOST:PORT only
+    (load(address="x" * 300 + ":1"), "address"), (load(address="127.0.0.1"), "address"),
+    (load(address="127.0.0.1:99999"), "address"), (load(address=":50051"), "address"),
+    (load(block_size=24), "block_size"), (load(block_size=4096), "block_size")])
 def test_unusable_loads_are_rejected_naming_the_field(reg, bad, field):
     with pytest.raises(ValueError, match=field):
         reg.observe(bad)
@@ -111,9 +115,9 @@ def test_static_and_heartbeat_share_one_entry(reg):
 
 def test_live_is_sorted_and_block_size_defaults(reg):
     assert reg.block_size() == DEFAULT_BLOCK_SIZE
-    for iid in ("p1", "d0", "p0"):
+    for port, iid in enumerate(("p1", "d0", "p0"), start=5001):
         reg.observe(load(iid, role="prefill" if iid[0] == "p" else "decode",
-                         address=f"127.0.0.1:{len(iid)}{iid}"))
+                         address=f"127.0.0.1:{port}"))
     assert [i.id for i in reg.live("prefill")] == ["p0", "p1"]
     assert reg.block_size() == DEFAULT_BLOCK_SIZE  # none reported one
 
