@@ -47,6 +47,18 @@ class ChannelPool:
     def pooling(self, address: str) -> engine_pb2_grpc.PoolingStub:
         return engine_pb2_grpc.PoolingStub(self.get(address))
 
+    def addresses(self) -> set[str]:
+        """The addresses with an open channel."""
+        with self._lock:
+            return set(self._channels)
+
+    def discard(self, address: str) -> None:
+        """Close the channel to `address`, if there is one (a later `get` opens a new one)."""
+        with self._lock:
+            channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close()
+
     def close(self) -> None:
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}

@@ -176,6 +176,7 @@ class GenerateFlow:
                 logger.warning("request %s: %s sent prompt_logprobs for %d of %d prompt "
                                "tokens", self.rid, p.id, len(resp.prompt_logprobs),
                                len(prompt_ids))
+                self.core.forget_on_prefill(p.address, self.wire_id)  # its lease, if any
                 continue
             if resp.HasField("handle"):
                 self._set_lease((resp.handle.release_address or p.address, self.wire_id))

@@ -91,13 +91,17 @@ class Registry:
     """Thread-safe table of instances; `clock` is monotonic seconds (injectable for tests)."""
 
     def __init__(self, ttl_s: float = 3.0, forget_after_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_forget: Callable[[str], None] = lambda address: None):
+        """`on_forget(address)`: no instance the table keeps has `address` any more (the
+        router closes its channel there: a restarted instance has a new port)."""
         if ttl_s <= 0 or forget_after_s < ttl_s:
             raise ValueError(f"registry: need 0 < ttl_s <= forget_after_s, got ttl_s={ttl_s}, "
                              f"forget_after_s={forget_after_s}")
         self.ttl_s = ttl_s
         self.forget_after_s = forget_after_s
         self.clock = clock
+        self.on_forget = on_forget
         self._lock = threading.Lock()
         self._table: dict[str, Instance] = {}
 
@@ -156,9 +160,11 @@ class Registry:
         return DEFAULT_BLOCK_SIZE
 
     def _forget_lapsed(self, now: float) -> None:
-        for iid in [i for i, inst in self._table.items()
-                    if not inst.static and now - inst.last_seen > self.forget_after_s]:
-            del self._table[iid]
+        lapsed = [i for i, inst in self._table.items()
+                  if not inst.static and now - inst.last_seen > self.forget_after_s]
+        gone = {self._table.pop(iid).address for iid in lapsed}
+        for address in gone - {inst.address for inst in self._table.values()}:
+            self.on_forget(address)
 
 
 class StaticPoller:

@@ -110,8 +110,8 @@ class RouterServer:
             arch = load_arch(resolve_model(config.model))
             config = dataclasses.replace(config, max_model_len=arch.max_position_embeddings)
         self.index = index or create_prefix_index()
-        registry = Registry(ttl_s=config.ttl_s)
         channels = ChannelPool(credentials)
+        registry = Registry(ttl_s=config.ttl_s, on_forget=channels.discard)
         self.core = RouterCore(config, registry, Planner(config, registry, self.index.match),
                                channels, tokenizer)
         targets = [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode]

@@ -20,6 +20,8 @@ from pdserve.router.kv_events import KVEventBatch, KVEventSequencer
 from pdserve.router.kv_events_wire import batch_to_proto
 
 logger = logging.getLogger(__name__)
+# While the sink is away each try snapshots the whole cache on the engine's thread: back off.
+MAX_RETRY_S = 5.0
 
 
 class EventSink(Protocol):
@@ -84,9 +86,11 @@ class KVEventPublisher:
                                             self.sequencer.medium)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        wait = self.interval_s
+        while not self._stop.wait(wait):
             try:
                 self.publish_once()
             except Exception:  # noqa: BLE001 - keep publishing; the index resyncs later
                 logger.exception("publishing KV events failed")
                 self.in_sync = False
+            wait = self.interval_s if self.in_sync else min(2 * wait, MAX_RETRY_S)

@@ -6,7 +6,7 @@ from pdserve import EngineArgs, LLMEngine, SamplingParams
 from pdserve.block_hash import hash_blocks
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.router.memory_index import MemoryPrefixIndex
-from pdserve.services.kv_event_publisher import KVEventPublisher
+from pdserve.services.kv_event_publisher import MAX_RETRY_S, KVEventPublisher
 
 
 @pytest.fixture
@@ -55,3 +55,44 @@ def test_lost_batch_triggers_resync(loop):
     assert publisher.in_sync
     assert index.match(hash_blocks(ids, 16)) == {"e1": 2}
     assert index.match(hash_blocks(list(range(800, 840)), 16)) == {"e1": 2}
+
+
+class AwaySink:
+    """A sink that cannot take anything (the router is down), then comes back."""
+
+    def __init__(self):
+        self.back = False
+        self.snapshots = 0
+
+    def apply(self, batch):
+        return self.back
+
+    def resync(self, instance_id, block_hashes, seq, medium="gpu"):
+        self.snapshots += 1
+        return self.back
+
+
+class RecordedWaits:
+    """The publisher's stop event: records each wait, and stops it after `tries` of them."""
+
+    def __init__(self, sink, tries):
+        self.sink, self.tries, self.waits = sink, tries, []
+
+    def wait(self, timeout):
+        self.waits.append(timeout)
+        if len(self.waits) == self.tries - 3:
+            self.sink.back = True
+        return len(self.waits) > self.tries
+
+
+def test_an_unreachable_sink_is_retried_less_and_less_often(loop):
+    """Each failed try takes a snapshot of the whole cache on the engine's thread."""
+    sink = AwaySink()
+    publisher = KVEventPublisher(loop, sink, "e1", interval_s=0.1)
+    publisher._stop = RecordedWaits(sink, tries=12)
+    publisher._run()
+    waits = publisher._stop.waits
+    assert waits[:6] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 3.2])
+    assert max(waits) == MAX_RETRY_S
+    assert waits[-1] == pytest.approx(0.1)  # in sync again: back to the interval
+    assert sink.snapshots == 8  # one for each try while the sink was away

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2_grpc
+from pdserve.router.channels import ChannelPool
 from pdserve.router.registry import DEFAULT_BLOCK_SIZE, Registry, StaticPoller
 
 
@@ -120,6 +121,24 @@ def test_live_is_sorted_and_block_size_defaults(reg):
                          address=f"127.0.0.1:{port}"))
     assert [i.id for i in reg.live("prefill")] == ["p0", "p1"]
     assert reg.block_size() == DEFAULT_BLOCK_SIZE  # none reported one
+
+
+def test_a_forgotten_address_closes_its_channel_unless_another_instance_uses_it(clock):
+    """Instances restart on new ports and under new ids: the router's channel to an address no
+    instance has any more is closed when the last one there is forgotten."""
+    channels = ChannelPool()
+    reg = Registry(ttl_s=3.0, forget_after_s=30.0, clock=clock, on_forget=channels.discard)
+    reg.observe(load("old", address="127.0.0.1:6001"))
+    reg.observe(load("moved", address="127.0.0.1:6002"))
+    for address in ("127.0.0.1:6001", "127.0.0.1:6002"):
+        channels.get(address)
+    clock.t += 20.0
+    reg.observe(load("new", address="127.0.0.1:6001"))  # restarted on the same address
+    clock.t += 20.0
+    reg.observe(load("new", address="127.0.0.1:6001"))
+    assert [i.id for i in reg.all()] == ["new"]
+    assert channels.addresses() == {"127.0.0.1:6001"}
+    channels.close()
 
 
 def test_bad_config():
