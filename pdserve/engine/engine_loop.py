@@ -170,10 +170,7 @@ class EngineLoop:
     def abort_soon(self, request_id: str) -> None:
         """`abort` without waiting for the step in progress: for threads that must not block
         (gRPC runs an RPC's done-callbacks on the thread that serves every call's events)."""
-        self._calls.put((Future(), self._abort, (request_id,)))
-        self._wake.set()
-        if self._stopped.is_set() or not self._thread.is_alive():
-            self._run_calls()
+        self._queue(self._abort, (request_id,))
 
     def _abort(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)
@@ -209,12 +206,16 @@ class EngineLoop:
 
     def call(self, fn, *args):
         """Run `fn(*args)` on the engine between two steps; its result, or its exception."""
+        return self._queue(fn, args).result()
+
+    def _queue(self, fn, args: tuple) -> Future:
+        """Queue `fn(*args)` for the engine's thread; its future."""
         future: Future = Future()
         self._calls.put((future, fn, args))
         self._wake.set()
         if self._stopped.is_set() or not self._thread.is_alive():
             self._run_calls()  # nothing steps (any more): run it on this thread
-        return future.result()
+        return future
 
     def _run_calls(self) -> None:
         with self._lock:

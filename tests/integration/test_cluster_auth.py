@@ -96,15 +96,19 @@ def test_fake_instance_cannot_register(cluster, want):
         assert tokens == want and last.served_by.decode_instance == "decode-0"
 
 
-def test_member_heartbeat_with_a_negative_count_is_refused_naming_it(cluster, want):
-    bad = common_pb2.Load(instance_id="decode-0", role="decode",
-                          address=cluster.child("decode-0").address, running_requests=-10**6,
-                          total_blocks=64, free_blocks=64, block_size=16,
-                          connector=cluster.spec.connector)
+@pytest.mark.parametrize("field, bad", [
+    ("running_requests", {"running_requests": -10**6}),
+    ("address", {"address": "decode-0-without-a-port"}),  # the router opens channels to it
+    ("block_size", {"block_size": 24}),
+])
+def test_member_heartbeat_with_a_bad_field_is_refused_naming_it(cluster, want, field, bad):
+    fields = dict(address=cluster.child("decode-0").address, total_blocks=64, free_blocks=64,
+                  block_size=16, connector=cluster.spec.connector)
+    load = common_pb2.Load(instance_id="decode-0", role="decode", **{**fields, **bad})
     with pytest.raises(grpc.RpcError) as e:
-        router(cluster).Heartbeat(bad, timeout=5, metadata=[(TOKEN_HEADER, SECRET)])
+        router(cluster).Heartbeat(load, timeout=5, metadata=[(TOKEN_HEADER, SECRET)])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "running_requests" in e.value.details()
+    assert field in e.value.details()
     tokens, last = generate(cluster, [("authorization", f"Bearer {API_KEY}")])
     assert tokens == want and last.served_by.decode_instance == "decode-0"
 
