@@ -10,6 +10,7 @@ must walk: with 100,000 blocks as sets, a full collection paused the router for 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,17 +18,25 @@ from typing import Any
 
 from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.router.kv_events import KVEventBatch
-from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.prefix_index import PrefixIndex, PrefixIndexConfig, check_caps
+
+log = logging.getLogger(__name__)
 
 
 class MemoryPrefixIndex(PrefixIndex):
     """Prefix index held in this process; `clock` is monotonic seconds (injectable for tests)."""
 
-    def __init__(self, ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic, *,
+                 max_instances: int = PrefixIndexConfig.max_instances,
+                 max_blocks_per_instance: int = PrefixIndexConfig.max_blocks_per_instance):
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        check_caps(max_instances, max_blocks_per_instance)
         self.ttl_s = ttl_s
+        self.max_instances = max_instances
+        self.max_blocks_per_instance = max_blocks_per_instance
         self.errors = 0  # never anything to swallow in memory; kept for the common interface
+        self.capped = 0
         self._clock = clock
         self._lock = threading.Lock()
         self._holders: dict[int, int] = {}  # block hash -> mask of the slots holding it
@@ -40,6 +49,8 @@ class MemoryPrefixIndex(PrefixIndex):
         self._deadline: dict[str, float] = {}
         self._info: dict[str, dict[str, Any]] = {}
         self._next_sweep = 0.0
+        self._warned: set[str] = set()  # instances whose blocks reached the cap (logged once)
+        self._refusals = 0  # new instances refused for max_instances
 
     # --- events ---------------------------------------------------------------------------
 
@@ -48,6 +59,8 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             now = self._clock()
             self._forget_if_lapsed(iid, now)
+            if not self._admit(iid, now):
+                return False
             last = self._seq.get(iid)
             if seq == last:
                 return True  # duplicate delivery
@@ -74,6 +87,8 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             now = self._clock()
             self._forget_if_lapsed(instance_id, now)
+            if not self._admit(instance_id, now):
+                return False
             self._drop_blocks(instance_id)
             self._add(instance_id, block_hashes, medium)
             self._seq[instance_id] = seq
@@ -121,6 +136,8 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             now = self._clock()
             self._forget_if_lapsed(instance_id, now)
+            if not self._admit(instance_id, now):
+                return
             self._info[instance_id] = dict(info)
             self._slot_of(instance_id)
             self._deadline[instance_id] = now + self.ttl_s
@@ -147,13 +164,42 @@ class MemoryPrefixIndex(PrefixIndex):
             self._slot[iid] = slot
         return slot
 
+    def _admit(self, iid: str, now: float) -> bool:
+        """True when the index knows `iid` or has room for one more instance."""
+        if iid in self._deadline or len(self._deadline) < self.max_instances:
+            return True
+        self._sweep(now)
+        if len(self._deadline) < self.max_instances:
+            return True
+        self.capped += 1
+        self._refusals += 1
+        if self._refusals & (self._refusals - 1) == 0:  # the 1st, 2nd, 4th, ...: no log flood
+            log.warning("prefix index: refused instance %.64r, the index already knows %d "
+                        "(max_instances); %d refusals so far", iid, self.max_instances,
+                        self._refusals)
+        return False
+
     def _add(self, iid: str, hashes: Sequence[int], medium: str) -> None:
         mine = self._blocks.setdefault(iid, {})
         bit = 1 << self._slot_of(iid)
         holders = self._holders
+        room = self.max_blocks_per_instance - len(mine)
         for h in hashes:
+            if h not in mine:
+                if room <= 0:
+                    self.capped += 1
+                    self._warn_full(iid)
+                    continue
+                room -= 1
             mine[h] = medium
             holders[h] = holders.get(h, 0) | bit
+
+    def _warn_full(self, iid: str) -> None:
+        if iid not in self._warned:
+            self._warned.add(iid)
+            log.warning("prefix index: instance %.64r holds %d blocks (max_blocks_per_instance);"
+                        " further blocks it stores are left out", iid,
+                        self.max_blocks_per_instance)
 
     def _remove(self, iid: str, hashes: Sequence[int]) -> None:
         mine = self._blocks.get(iid)
@@ -179,6 +225,7 @@ class MemoryPrefixIndex(PrefixIndex):
         self._seq.pop(iid, None)
         self._deadline.pop(iid, None)
         self._info.pop(iid, None)
+        self._warned.discard(iid)
         slot = self._slot.pop(iid, None)
         if slot is not None:  # NOTE: its bits were cleared with its blocks, so reuse is safe
             self._slot_owner[slot] = None

@@ -17,6 +17,12 @@ Contract shared by every backend (tests/integration/test_prefix_index.py checks 
   lapsed instance that comes back starts from nothing and must resync (or send seq 0).
 - Events may arrive before an instance's first heartbeat; they are kept for one `ttl_s`, and
   count in `match()` once the heartbeat arrives.
+- Bounded: the index knows at most `max_instances` instances (live, lapsed but not yet swept,
+  or heard from only through events). A new one beyond that is refused: `apply()` and
+  `resync()` return False and `heartbeat()` records nothing. An instance is credited with at
+  most `max_blocks_per_instance` blocks; further stored blocks are left out (a real engine's
+  cache is far smaller, so only a faulty or hostile publisher is under-credited, which costs
+  routing quality and nothing else). Both caps count in `capped`.
 - Methods never raise for backend trouble (e.g. Redis down): `match()` and `instances()` return
   {}, `apply()` and `resync()` return False, and the backend counts the failure in `errors`.
   So a publisher's loop heals itself: `if not index.apply(batch): index.resync(...)`, again on
@@ -45,6 +51,9 @@ class PrefixIndexConfig:
     socket_timeout_s: float = 0.1
     # After a failed Redis call, skip Redis for this long (answering {} / False) before retrying.
     retry_interval_s: float = 0.5
+    # Bounds on what publishers can make the index hold (see the contract above).
+    max_instances: int = 1024
+    max_blocks_per_instance: int = 1 << 20  # 16M tokens at 16 a block
 
     def __post_init__(self) -> None:
         if self.backend not in ("memory", "redis"):
@@ -54,12 +63,22 @@ class PrefixIndexConfig:
             raise ValueError(f"ttl_s must be positive, got {self.ttl_s}")
         if self.socket_timeout_s <= 0 or self.retry_interval_s < 0:
             raise ValueError("socket_timeout_s must be positive and retry_interval_s >= 0")
+        check_caps(self.max_instances, self.max_blocks_per_instance)
+
+
+def check_caps(max_instances: int, max_blocks_per_instance: int) -> None:
+    """ValueError naming the cap that is not a positive int."""
+    for name, value in (("max_instances", max_instances),
+                        ("max_blocks_per_instance", max_blocks_per_instance)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
 
 
 class PrefixIndex(ABC):
     """Block hash -> holding instances, plus the registry of live instances."""
 
     errors: int = 0  # backend failures swallowed so far (a metric)
+    capped: int = 0  # stored blocks and new instances refused for a cap so far (a metric)
 
     @abstractmethod
     def apply(self, batch: KVEventBatch) -> bool:
@@ -109,4 +128,5 @@ def create_prefix_index(config: PrefixIndexConfig | None = None) -> PrefixIndex:
         return RedisPrefixIndex.from_config(config)
     from pdserve.router.memory_index import MemoryPrefixIndex
 
-    return MemoryPrefixIndex(ttl_s=config.ttl_s)
+    return MemoryPrefixIndex(ttl_s=config.ttl_s, max_instances=config.max_instances,
+                             max_blocks_per_instance=config.max_blocks_per_instance)

@@ -24,6 +24,10 @@ are short) methods answer {} / False, count `errors`, log one warning per outage
 for `retry_interval_s` before trying again; redis-py reconnects by itself. After Redis restarts
 empty, the next heartbeats re-register instances and `apply()` refuses batches (seq unknown) until
 the publisher resyncs.
+
+The caps of prefix_index.py hold here too: a new instance is admitted while P:instances has
+fewer than `max_instances` members, and a block is stored while P:iblk:<id> has fewer than
+`max_blocks_per_instance` members.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from redis.retry import Retry
 
 from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.router.kv_events import KVEventBatch
-from pdserve.router.prefix_index import PrefixIndex, PrefixIndexConfig
+from pdserve.router.prefix_index import PrefixIndex, PrefixIndexConfig, check_caps
 
 log = logging.getLogger(__name__)
 
@@ -66,28 +70,42 @@ local function sweep()
   for i = 1, #ids do forget(ids[i]) end
   return #ids
 end
+local function admitted(id, max_instances)
+  if redis.call('ZSCORE', P .. 'instances', id) then return true end
+  return redis.call('ZCARD', P .. 'instances') < max_instances
+end
+-- Records that id holds block h, unless that would take it past maxb blocks: returns 1 then.
+local function store(setk, id, h, val, maxb)
+  if redis.call('SISMEMBER', setk, h) == 0 and redis.call('SCARD', setk) >= maxb then
+    return 1
+  end
+  redis.call('HSET', P .. 'blk:' .. h, id, val)
+  redis.call('SADD', setk, h)
+  return 0
+end
 """
 
-# ARGV: prefix, id, seq, value, ttl_ms, ops... ('+h' stored, '-h' removed, '!' all cleared)
+# ARGV: prefix, id, seq, value, ttl_ms, max_instances, max_blocks, ops... ('+h' stored, '-h'
+# removed, '!' all cleared). Returns {applied (0/1), stored blocks or instances left out}.
 _LUA_APPLY = _LUA_PRELUDE + """
 local id, seq, val, ttl = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 sweep()
+if not admitted(id, tonumber(ARGV[6])) then return {0, 1} end
 local seqk = P .. 'seq:' .. id
 local last = redis.call('GET', seqk)
 if last then last = tonumber(last) end
-if last and seq == last then return 1 end
+if last and seq == last then return {1, 0} end
 if seq == 0 then
   drop_blocks(id)
 elseif not last or seq ~= last + 1 then
-  return 0
+  return {0, 0}
 end
-local setk = P .. 'iblk:' .. id
-for i = 6, #ARGV do
+local setk, maxb, capped = P .. 'iblk:' .. id, tonumber(ARGV[7]), 0
+for i = 8, #ARGV do
   local op = ARGV[i]
   local c, h = string.sub(op, 1, 1), string.sub(op, 2)
   if c == '+' then
-    redis.call('HSET', P .. 'blk:' .. h, id, val)
-    redis.call('SADD', setk, h)
+    capped = capped + store(setk, id, h, val, maxb)
   elseif c == '-' then
     redis.call('HDEL', P .. 'blk:' .. h, id)
     redis.call('SREM', setk, h)
@@ -97,27 +115,28 @@ for i = 6, #ARGV do
 end
 redis.call('SET', seqk, ARGV[3])
 redis.call('ZADD', P .. 'instances', 'NX', now + ttl, id)
-return 1
+return {1, capped}
 """
 
-# ARGV: prefix, id, seq, value, ttl_ms, hashes...
+# ARGV: prefix, id, seq, value, ttl_ms, max_instances, max_blocks, hashes... Returns as apply.
 _LUA_RESYNC = _LUA_PRELUDE + """
 local id, val, ttl = ARGV[2], ARGV[4], tonumber(ARGV[5])
 sweep()
+if not admitted(id, tonumber(ARGV[6])) then return {0, 1} end
 drop_blocks(id)
-local setk = P .. 'iblk:' .. id
-for i = 6, #ARGV do
-  redis.call('HSET', P .. 'blk:' .. ARGV[i], id, val)
-  redis.call('SADD', setk, ARGV[i])
+local setk, maxb, capped = P .. 'iblk:' .. id, tonumber(ARGV[7]), 0
+for i = 8, #ARGV do
+  capped = capped + store(setk, id, ARGV[i], val, maxb)
 end
 redis.call('SET', P .. 'seq:' .. id, ARGV[3])
 redis.call('ZADD', P .. 'instances', 'NX', now + ttl, id)
-return 1
+return {1, capped}
 """
 
-# ARGV: prefix, id, info json, ttl_ms
+# ARGV: prefix, id, info json, ttl_ms, max_instances. Returns 0 when the instance is refused.
 _LUA_HEARTBEAT = _LUA_PRELUDE + """
 sweep()
+if not admitted(ARGV[2], tonumber(ARGV[5])) then return 0 end
 redis.call('SET', P .. 'inst:' .. ARGV[2], ARGV[3], 'PX', ARGV[4])
 redis.call('ZADD', P .. 'instances', now + tonumber(ARGV[4]), ARGV[2])
 return 1
@@ -152,9 +171,15 @@ class RedisPrefixIndex(PrefixIndex):
 
     def __init__(self, url: str = "redis://localhost:6379/0", *, key_prefix: str = "pdserve",
                  ttl_s: float = 10.0, socket_timeout_s: float = 0.1,
-                 retry_interval_s: float = 0.5):
+                 retry_interval_s: float = 0.5,
+                 max_instances: int = PrefixIndexConfig.max_instances,
+                 max_blocks_per_instance: int = PrefixIndexConfig.max_blocks_per_instance):
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        check_caps(max_instances, max_blocks_per_instance)
+        self.caps = (max_instances, max_blocks_per_instance)
+        self.capped = 0
+        self._capped_calls = 0
         self.url = url
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
@@ -173,7 +198,9 @@ class RedisPrefixIndex(PrefixIndex):
     def from_config(cls, config: PrefixIndexConfig) -> RedisPrefixIndex:
         return cls(config.redis_url, key_prefix=config.key_prefix, ttl_s=config.ttl_s,
                    socket_timeout_s=config.socket_timeout_s,
-                   retry_interval_s=config.retry_interval_s)
+                   retry_interval_s=config.retry_interval_s,
+                   max_instances=config.max_instances,
+                   max_blocks_per_instance=config.max_blocks_per_instance)
 
     # --- events ---------------------------------------------------------------------------
 
@@ -187,18 +214,34 @@ class RedisPrefixIndex(PrefixIndex):
             elif isinstance(event, AllBlocksCleared):
                 ops.append("!")
         value = f"{batch.medium}:{batch.timestamp:.3f}"
-        done = self._guarded(0, self._r.eval, _LUA_APPLY, 0, self._p, batch.instance_id,
-                             batch.seq, value, self.ttl_ms, *ops)
-        return done == 1
+        return self._write(_LUA_APPLY, batch.instance_id, batch.seq, value, ops)
 
     def resync(self, instance_id: str, block_hashes: Sequence[int], seq: int,
                medium: str = "gpu") -> bool:
         if seq < -1:
             raise ValueError(f"seq: must be >= -1, got {seq}")
         value = f"{medium}:{time.time():.3f}"
-        done = self._guarded(0, self._r.eval, _LUA_RESYNC, 0, self._p, instance_id, seq, value,
-                             self.ttl_ms, *block_hashes)
+        return self._write(_LUA_RESYNC, instance_id, seq, value, block_hashes)
+
+    def _write(self, script: str, instance_id: str, seq: int, value: str,
+               items: Sequence[Any]) -> bool:
+        """Run the apply or resync script; count and log what the caps left out."""
+        done, capped = self._guarded((0, 0), self._r.eval, script, 0, self._p, instance_id, seq,
+                                     value, self.ttl_ms, *self.caps, *items)
+        if capped:
+            self._count_capped(capped, instance_id)
         return done == 1
+
+    def _count_capped(self, n: int, instance_id: str) -> None:
+        """Count what a cap left out; log the 1st, 2nd, 4th, ... such call (no log flood)."""
+        with self._state_lock:
+            self.capped += n
+            self._capped_calls += 1
+            calls = self._capped_calls
+        if calls & (calls - 1) == 0:
+            log.warning("prefix index: blocks or a new instance (%.64r) left out for the caps "
+                        "(max_instances %d, max_blocks_per_instance %d); %d so far",
+                        instance_id, *self.caps, self.capped)
 
     # --- queries --------------------------------------------------------------------------
 
@@ -237,8 +280,10 @@ class RedisPrefixIndex(PrefixIndex):
     # --- registry -------------------------------------------------------------------------
 
     def heartbeat(self, instance_id: str, info: dict[str, Any]) -> None:
-        self._guarded(0, self._r.eval, _LUA_HEARTBEAT, 0, self._p, instance_id,
-                      json.dumps(info), self.ttl_ms)
+        admitted = self._guarded(1, self._r.eval, _LUA_HEARTBEAT, 0, self._p, instance_id,
+                                 json.dumps(info), self.ttl_ms, self.caps[0])
+        if not admitted:
+            self._count_capped(1, instance_id)
 
     def remove_instance(self, instance_id: str) -> None:
         self._guarded(0, self._r.eval, _LUA_REMOVE, 0, self._p, instance_id)

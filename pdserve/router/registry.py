@@ -7,6 +7,9 @@ Two feeds fill one table keyed by instance id (the address while the id is unkno
 
 An instance not seen within `ttl_s` is ignored for routing; `mark_down()` (an RPC to it failed)
 takes it out at once, until an observation that started after the failure brings it back.
+The table holds at most `max_instances` instances: a new heartbeating one is refused
+(`RegistryFull`) unless one already there has not been heard from within `ttl_s`. Static
+instances (the operator's list) always get in.
 """
 
 from __future__ import annotations
@@ -87,19 +90,27 @@ def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = 
     return Instance(view, load.connector, max(0, load.block_size), seen_at, static, load=load)
 
 
+class RegistryFull(Exception):
+    """A new instance was refused: the registry already holds `max_instances` live ones."""
+
+
 class Registry:
     """Thread-safe table of instances; `clock` is monotonic seconds (injectable for tests)."""
 
     def __init__(self, ttl_s: float = 3.0, forget_after_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_forget: Callable[[str], None] = lambda address: None):
+                 on_forget: Callable[[str], None] = lambda address: None,
+                 max_instances: int = 1024):
         """`on_forget(address)`: no instance the table keeps has `address` any more (the
         router closes its channel there: a restarted instance has a new port)."""
         if ttl_s <= 0 or forget_after_s < ttl_s:
             raise ValueError(f"registry: need 0 < ttl_s <= forget_after_s, got ttl_s={ttl_s}, "
                              f"forget_after_s={forget_after_s}")
+        if max_instances < 1:
+            raise ValueError(f"max_instances: must be >= 1, got {max_instances}")
         self.ttl_s = ttl_s
         self.forget_after_s = forget_after_s
+        self.max_instances = max_instances
         self.clock = clock
         self.on_forget = on_forget
         self._lock = threading.Lock()
@@ -115,6 +126,8 @@ class Registry:
                                   static=static)
         with self._lock:
             old = self._table.get(inst.id)
+            if old is None and not static:
+                self._make_room(now)
             if old is not None:
                 inst = replace(inst, static=inst.static or old.static,
                                last_seen=max(old.last_seen, seen_at))
@@ -159,9 +172,19 @@ class Registry:
                 return inst.block_size
         return DEFAULT_BLOCK_SIZE
 
-    def _forget_lapsed(self, now: float) -> None:
+    def _make_room(self, now: float) -> None:
+        """Room for one more heartbeating instance, or RegistryFull (caller holds the lock)."""
+        if len(self._table) < self.max_instances:
+            return
+        self._forget_lapsed(now, self.ttl_s)  # full: those not heard from lately go first
+        if len(self._table) >= self.max_instances:
+            raise RegistryFull(f"the router already tracks {self.max_instances} instances "
+                               f"(--max-instances)")
+
+    def _forget_lapsed(self, now: float, after_s: float | None = None) -> None:
+        after_s = self.forget_after_s if after_s is None else after_s
         lapsed = [i for i, inst in self._table.items()
-                  if not inst.static and now - inst.last_seen > self.forget_after_s]
+                  if not inst.static and now - inst.last_seen > after_s]
         gone = {self._table.pop(iid).address for iid in lapsed}
         for address in gone - {inst.address for inst in self._table.values()}:
             self.on_forget(address)

@@ -54,6 +54,9 @@ class RouterConfig:
     # Generate and Embed calls run at once; more are refused with RESOURCE_EXHAUSTED, so the
     # instances' heartbeats always find a thread (services/call_slots.py).
     max_requests_in_flight: int = 1024
+    # Instances the router tracks (its registry and its prefix index): heartbeats of one more
+    # are refused with RESOURCE_EXHAUSTED, its KV events are not applied.
+    max_instances: int = 1024
     # One INFO line per request's end (router/request_log.py), as the instances log theirs.
     log_requests: bool = True
     picker: PickerConfig = field(
@@ -70,9 +73,9 @@ class RouterConfig:
             raise ValueError("decode_attempts and embed_attempts must be >= 1")
         if self.max_model_len < 0 or self.max_logprobs < -1:
             raise ValueError("max_model_len must be >= 0 and max_logprobs >= -1")
-        if self.max_requests_in_flight < 1:
-            raise ValueError(f"max_requests_in_flight must be >= 1, got "
-                             f"{self.max_requests_in_flight}")
+        if self.max_requests_in_flight < 1 or self.max_instances < 1:
+            raise ValueError(f"max_requests_in_flight and max_instances must be >= 1, got "
+                             f"{self.max_requests_in_flight} and {self.max_instances}")
         for name in ("prefill_timeout_s", "request_timeout_s", "control_timeout_s", "ttl_s",
                      "poll_interval_s"):
             if getattr(self, name) <= 0:

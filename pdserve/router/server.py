@@ -34,7 +34,7 @@ from pdserve.router.prefix_index import (
     PrefixIndexConfig,
     create_prefix_index,
 )
-from pdserve.router.registry import Registry, StaticPoller
+from pdserve.router.registry import Registry, RegistryFull, StaticPoller
 from pdserve.router.routing import Planner, RouterConfig
 from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
 from pdserve.services.grpc_server import GrpcServer, service_name
@@ -65,6 +65,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             inst = self.core.registry.observe(request)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RegistryFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.index.heartbeat(inst.id, heartbeat_info(inst.to_load()))
         return router_pb2.HeartbeatResponse(interval_s=self.heartbeat_interval_s)
 
@@ -109,9 +111,11 @@ class RouterServer:
         if not config.max_model_len:  # the instances' context length: the model's
             arch = load_arch(resolve_model(config.model))
             config = dataclasses.replace(config, max_model_len=arch.max_position_embeddings)
-        self.index = index or create_prefix_index()
+        self.index = index or create_prefix_index(
+            PrefixIndexConfig(max_instances=config.max_instances))
         channels = ChannelPool(credentials)
-        registry = Registry(ttl_s=config.ttl_s, on_forget=channels.discard)
+        registry = Registry(ttl_s=config.ttl_s, on_forget=channels.discard,
+                            max_instances=config.max_instances)
         self.core = RouterCore(config, registry, Planner(config, registry, self.index.match),
                                channels, tokenizer)
         targets = [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode]
@@ -173,6 +177,9 @@ def add_cli(subparsers) -> None:
                    default=RouterConfig.max_requests_in_flight,
                    help="Generate and Embed calls served at once; more are refused with "
                         "RESOURCE_EXHAUSTED (heartbeats and listings always get through)")
+    p.add_argument("--max-instances", type=int, default=RouterConfig.max_instances,
+                   help="instances the router and its prefix index track; heartbeats of one "
+                        "more are refused with RESOURCE_EXHAUSTED")
     p.add_argument("--redis-url", default=None,
                    help="read the prefix index from this Redis (default: in-process, fed by "
                         "the instances' KV events)")
@@ -190,10 +197,12 @@ def run_router(args: argparse.Namespace) -> int:
                               prefill_timeout_s=args.prefill_timeout_s,
                               max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
                               max_migrations=args.max_migrations,
-                              max_requests_in_flight=args.max_requests_in_flight)
+                              max_requests_in_flight=args.max_requests_in_flight,
+                              max_instances=args.max_instances)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    index = (create_prefix_index(PrefixIndexConfig("redis", args.redis_url))
+    index = (create_prefix_index(PrefixIndexConfig("redis", args.redis_url,
+                                                   max_instances=args.max_instances))
              if args.redis_url else None)
     try:
         credentials = credentials_from_args(args, api_keys=True)

@@ -36,7 +36,7 @@ def cluster(request, tiny_model_dir, tmp_path_factory):
     spec = ClusterSpec(model=str(tiny_model_dir), connector=request.param, grpc_port=0,
                        disagg_threshold=16, kv_cache_memory_bytes=8 << 20,
                        startup_timeout_s=90, log_dir=str(logs), cluster_secret=SECRET,
-                       router_args=("--api-key-file", str(key_file)))
+                       router_args=("--api-key-file", str(key_file), "--max-instances", "2"))
     with Cluster(spec) as c:
         yield c
 
@@ -109,6 +109,27 @@ def test_member_heartbeat_with_a_bad_field_is_refused_naming_it(cluster, want, f
         router(cluster).Heartbeat(load, timeout=5, metadata=[(TOKEN_HEADER, SECRET)])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+    tokens, last = generate(cluster, [("authorization", f"Bearer {API_KEY}")])
+    assert tokens == want and last.served_by.decode_instance == "decode-0"
+
+
+def test_member_cannot_register_instances_beyond_max_instances(cluster, want):
+    """The router tracks at most --max-instances (2 here: P and D) instances; a member's
+    heartbeats and KV events for new ones are refused while both still heartbeat."""
+    member = [(TOKEN_HEADER, SECRET)]
+    for k in range(3):
+        fake = common_pb2.Load(instance_id=f"decode-extra-{k}", role="decode",
+                               address=f"127.0.0.1:{9 + k}", total_blocks=64, free_blocks=64,
+                               block_size=16, connector=cluster.spec.connector)
+        with pytest.raises(grpc.RpcError) as e:
+            router(cluster).Heartbeat(fake, timeout=5, metadata=member)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-instances" in e.value.details()
+        batch = router_pb2.KVEventBatch(instance_id=f"decode-extra-{k}", seq=0)
+        assert not router(cluster).PublishKVEvents(batch, timeout=5, metadata=member).applied
+    listed = router(cluster).ListInstances(router_pb2.ListInstancesRequest(), timeout=5,
+                                           metadata=member)
+    assert {i.instance_id for i in listed.instances} == {"prefill-0", "decode-0"}
     tokens, last = generate(cluster, [("authorization", f"Bearer {API_KEY}")])
     assert tokens == want and last.served_by.decode_instance == "decode-0"
 

@@ -24,8 +24,8 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     """Factory of index objects; within one test, Redis ones share a fresh key prefix."""
     made: list[PrefixIndex] = []
     if request.param == "memory":
-        def make(ttl_s: float = 30.0) -> PrefixIndex:
-            made.append(MemoryPrefixIndex(ttl_s=ttl_s))
+        def make(ttl_s: float = 30.0, **caps: int) -> PrefixIndex:
+            made.append(MemoryPrefixIndex(ttl_s=ttl_s, **caps))
             return made[-1]
     else:
         server: RedisServer = request.getfixturevalue("redis_server")  # may skip
@@ -33,9 +33,9 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
 
         prefix = f"test-{uuid.uuid4().hex[:8]}"
 
-        def make(ttl_s: float = 30.0) -> PrefixIndex:
+        def make(ttl_s: float = 30.0, **caps: int) -> PrefixIndex:
             made.append(RedisPrefixIndex(server.url, key_prefix=prefix, ttl_s=ttl_s,
-                                         retry_interval_s=0.2))
+                                         retry_interval_s=0.2, **caps))
             return made[-1]
     yield make
     for index in made:
@@ -165,6 +165,40 @@ def test_remove_instance(make_index: MakeIndex) -> None:
     assert not index.apply(batch("a", 1, stored(2)))
     live(index, "c")  # a newcomer inherits nothing from the removed instance
     assert index.match([1]) == {"b": 0, "c": 0}
+
+
+def test_an_instance_is_credited_with_at_most_max_blocks(make_index: MakeIndex) -> None:
+    index = make_index(max_blocks_per_instance=4)
+    live(index, "a", "b")
+    assert index.apply(batch("a", 0, stored(1, 2, 3, 4, 5, 6)))
+    assert index.num_blocks("a") == 4 and index.capped == 2
+    assert index.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 0}
+    assert index.apply(batch("a", 1, stored(1, 2), BlockRemoved((4,)), stored(5, 6)))
+    assert index.num_blocks("a") == 4 and index.capped == 3  # 1, 2 held; 5 took 4's place
+    assert index.match([1, 2, 3, 5]) == {"a": 4, "b": 0}
+    assert index.apply(batch("b", 0, stored(1, 2, 3, 4, 5)))  # the cap is per instance
+    assert index.match([1, 2, 3, 4]) == {"a": 3, "b": 4}
+    assert index.resync("b", list(range(100, 110)), seq=0)
+    assert index.num_blocks("b") == 4 and index.capped == 10
+    assert index.match([100, 101, 102, 103, 104]) == {"a": 0, "b": 4}
+
+
+def test_instances_beyond_max_instances_are_refused_until_one_lapses(
+        make_index: MakeIndex) -> None:
+    index = make_index(ttl_s=1.0, max_instances=2)
+    live(index, "a", "b")
+    live(index, "c")
+    assert set(index.instances()) == {"a", "b"}
+    assert not index.apply(batch("c", 0, stored(1)))
+    assert not index.resync("c", [1], seq=-1)
+    assert index.num_blocks("c") == 0 and index.capped == 3
+    assert index.apply(batch("a", 0, stored(1)))  # those it knows go on as before
+    live(index, "a")
+    assert index.match([1]) == {"a": 1, "b": 0}
+    time.sleep(1.2)  # a and b lapse: their places are free
+    live(index, "c")
+    assert index.apply(batch("c", 0, stored(1)))
+    assert index.match([1]) == {"c": 1}
 
 
 def test_random_event_streams_match_a_reference_model(make_index: MakeIndex) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2_grpc
 from pdserve.router.channels import ChannelPool
-from pdserve.router.registry import DEFAULT_BLOCK_SIZE, Registry, StaticPoller
+from pdserve.router.registry import DEFAULT_BLOCK_SIZE, Registry, RegistryFull, StaticPoller
 
 
 class Clock:
@@ -43,6 +43,31 @@ def test_observe_maps_load_to_view(reg):
     assert (inst.connector, inst.block_size) == ("tcp", 32)
     assert reg.block_size() == 32
     assert inst.to_load().waiting_tokens == 300
+
+
+def test_a_full_registry_refuses_new_instances_until_one_goes_quiet(clock):
+    reg = Registry(ttl_s=3.0, forget_after_s=30.0, clock=clock, max_instances=2)
+    reg.observe(load("d0", address="127.0.0.1:5001"))
+    reg.observe(load("d1", address="127.0.0.1:5002"))
+    with pytest.raises(RegistryFull, match="2 instances"):
+        reg.observe(load("evil", address="127.0.0.1:9"))
+    reg.observe(load("p0", role="prefill", address="127.0.0.1:6000"), static=True)  # listed
+    reg.observe(load("d0", address="127.0.0.1:5001", running_requests=3))  # known: served
+    assert [i.id for i in reg.live()] == ["d0", "d1", "p0"]
+    clock.t += 2.0
+    reg.observe(load("d0", address="127.0.0.1:5001"))
+    reg.observe(load("p0", role="prefill", address="127.0.0.1:6000"), static=True)
+    clock.t += 2.0  # d1 is 4 s quiet, past ttl_s: its place goes to a newcomer
+    with pytest.raises(RegistryFull):  # p0 and d0 fill the table once d1 is gone
+        reg.observe(load("d2", address="127.0.0.1:5003"))
+    assert [i.id for i in reg.all()] == ["d0", "p0"]
+    reg = Registry(ttl_s=3.0, forget_after_s=30.0, clock=clock, max_instances=3)
+    for k in range(3):
+        reg.observe(load(f"d{k}", address=f"127.0.0.1:{5001 + k}"))
+    clock.t += 4.0
+    reg.observe(load("d0", address="127.0.0.1:5001"))
+    reg.observe(load("d3", address="127.0.0.1:5004"))  # d1 and d2 went quiet: room
+    assert [i.id for i in reg.all()] == ["d0", "d3"]
 
 
 @pytest.mark.parametrize("role, live_as_prefill, live_as_decode", [
