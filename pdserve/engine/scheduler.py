@@ -158,7 +158,9 @@ class Scheduler:
                 budget -= n
                 prefill_budget -= n if left > 1 else 0
         if not out.preempted:
-            self._schedule_waiting(out, min(budget, prefill_budget))
+            blocked = self._schedule_waiting(out, min(budget, prefill_budget))
+            if blocked and not self.running:
+                self._unblock(blocked)
         return out
 
     def _prefill_budget(self) -> int:
@@ -174,10 +176,13 @@ class Scheduler:
             return self.config.max_num_batched_tokens
         return max(cap, (per_decode or 0) * decoding)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for request in self._waiting_in_order():
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> Request | None:
+        """Start waiting requests in order while blocks and budget last; returns the request
+        that found no room, if one did. Those that already hold blocks (their KV arrived) go
+        first: the pool is theirs already, and only running them gives it back."""
+        for request in self._waiting_in_order(holders_first=True):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                return
+                return None
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
             if request.grammar is not None and not self._grammar_ready(request, out):
@@ -188,15 +193,15 @@ class Scheduler:
                 computed, num_cached = self.kv.get_computed_blocks(request)
             if request.remote_kv is not None:
                 if not self._start_remote_load(request, computed, num_cached):
-                    return
+                    return request
                 continue
             n = request.num_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
-                    return
+                    return None
                 n = budget
             if self.kv.allocate_slots(request, n, computed) is None:
-                return
+                return request
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -205,6 +210,23 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             out.chunks.append(self._chunk(request, n))
             budget -= n
+        return None
+
+    def _unblock(self, blocked: Request) -> None:
+        """Nothing runs and `blocked` found no room: waiting requests whose KV arrived hold
+        the pool and cannot grow either. The last of them in order lets its blocks go and will
+        compute its prompt here instead, so the engine never stalls with requests queued."""
+        holders = [r for r in self._waiting_in_order(holders_first=True)
+                   if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+                   and self.kv.has_blocks(r.request_id)]
+        if not holders:
+            return
+        victim = holders[-1]
+        logger.warning("request %s: its blocks go back to the pool (nothing else could run, "
+                       "%s waits for room); it computes its prompt here", victim.request_id,
+                       blocked.request_id)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
 
     def _grammar_ready(self, request: Request, out: SchedulerOutput) -> bool:
         """A constrained request runs once its grammar is compiled (never waiting on a step)
@@ -222,10 +244,14 @@ class Scheduler:
         """Grammars of waiting requests still compiling."""
         return [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.ready]
 
-    def _waiting_in_order(self) -> list[Request]:
+    def _waiting_in_order(self, holders_first: bool = False) -> list[Request]:
         if self.config.policy == "priority":
-            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return list(self.waiting)
+            order = sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            order = list(self.waiting)
+        if holders_first:  # NOTE: a stable sort keeps the policy's order within each group
+            order.sort(key=lambda r: not self.kv.has_blocks(r.request_id))
+        return order
 
     # --- remote KV (decode side of disaggregation) ------------------------------------------
 

@@ -19,6 +19,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "tool_calls"})
 
 
 class GatewayMetrics:
@@ -51,7 +52,9 @@ class GatewayMetrics:
         r.register(self.backend)
 
     def finished(self, reason: str | None) -> None:
-        self._success.labels(self.model_name, reason or "unknown").inc()
+        # NOTE: a label value per reason an instance sends would let one grow /metrics forever.
+        reason = reason if reason in FINISH_REASONS else "other" if reason else "unknown"
+        self._success.labels(self.model_name, reason).inc()
 
     def routed(self, served_by: ServedBy) -> None:
         if not served_by.decode_instance and not served_by.prefill_instance:

@@ -178,8 +178,9 @@ class GenerateFlow:
                                len(prompt_ids))
                 self.core.forget_on_prefill(p.address, self.wire_id)  # its lease, if any
                 continue
-            if resp.HasField("handle"):
-                self._set_lease((resp.handle.release_address or p.address, self.wire_id))
+            if resp.HasField("handle"):  # NOTE: D releases where the router reached P
+                resp.handle.release_address = p.address
+                self._set_lease((p.address, self.wire_id))
             self.served.prefill_instance = resp.instance_id or p.id
             self.served.disaggregated = True
             self.served.kv_connector = resp.handle.connector

@@ -11,24 +11,15 @@ carries exactly in Python (and in any int64-aware decoder).
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.router.wire_names import check_instance_id, check_medium
 
 _HASH_LIMIT = 1 << 63
-_MEDIUM = re.compile(r"[A-Za-z0-9_-]{1,16}")  # "gpu", "cpu", ...: stored beside every block
-
-
-def check_medium(medium: str) -> str:
-    """`medium`, or ValueError naming the field when it is not a short name."""
-    if not isinstance(medium, str) or not _MEDIUM.fullmatch(medium):
-        raise ValueError(f"medium: expected up to 16 letters, digits, '_' or '-', got "
-                         f"{str(medium)[:40]!r}")
-    return medium
 
 
 @dataclass(frozen=True)
@@ -46,8 +37,7 @@ class KVEventBatch:
     medium: str = "gpu"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.instance_id, str) or not self.instance_id:
-            raise ValueError("instance_id: must be a non-empty string")
+        check_instance_id(self.instance_id)
         if not isinstance(self.seq, int) or self.seq < 0:
             raise ValueError(f"seq: must be an int >= 0, got {self.seq!r}")
         check_medium(self.medium)

@@ -28,13 +28,16 @@ class MemoryPrefixIndex(PrefixIndex):
 
     def __init__(self, ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic, *,
                  max_instances: int = PrefixIndexConfig.max_instances,
-                 max_blocks_per_instance: int = PrefixIndexConfig.max_blocks_per_instance):
+                 max_blocks_per_instance: int = PrefixIndexConfig.max_blocks_per_instance,
+                 max_blocks: int = PrefixIndexConfig.max_blocks):
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        check_caps(max_instances, max_blocks_per_instance)
+        check_caps(max_instances, max_blocks_per_instance, max_blocks)
         self.ttl_s = ttl_s
         self.max_instances = max_instances
         self.max_blocks_per_instance = max_blocks_per_instance
+        self.max_blocks = max_blocks
+        self._entries = 0  # (instance, block) pairs held: the sum of len(self._blocks[i])
         self.errors = 0  # never anything to swallow in memory; kept for the common interface
         self.capped = 0
         self._clock = clock
@@ -132,16 +135,17 @@ class MemoryPrefixIndex(PrefixIndex):
 
     # --- registry -------------------------------------------------------------------------
 
-    def heartbeat(self, instance_id: str, info: dict[str, Any]) -> None:
+    def heartbeat(self, instance_id: str, info: dict[str, Any]) -> bool:
         with self._lock:
             now = self._clock()
             self._forget_if_lapsed(instance_id, now)
             if not self._admit(instance_id, now):
-                return
+                return False
             self._info[instance_id] = dict(info)
             self._slot_of(instance_id)
             self._deadline[instance_id] = now + self.ttl_s
             self._maybe_sweep(now)
+            return True
 
     def remove_instance(self, instance_id: str) -> None:
         with self._lock:
@@ -183,23 +187,26 @@ class MemoryPrefixIndex(PrefixIndex):
         mine = self._blocks.setdefault(iid, {})
         bit = 1 << self._slot_of(iid)
         holders = self._holders
-        room = self.max_blocks_per_instance - len(mine)
+        room = min(self.max_blocks_per_instance - len(mine), self.max_blocks - self._entries)
+        added = 0
         for h in hashes:
             if h not in mine:
-                if room <= 0:
+                if added >= room:
                     self.capped += 1
                     self._warn_full(iid)
                     continue
-                room -= 1
+                added += 1
             mine[h] = medium
             holders[h] = holders.get(h, 0) | bit
+        self._entries += added
 
     def _warn_full(self, iid: str) -> None:
         if iid not in self._warned:
             self._warned.add(iid)
-            log.warning("prefix index: instance %.64r holds %d blocks (max_blocks_per_instance);"
-                        " further blocks it stores are left out", iid,
-                        self.max_blocks_per_instance)
+            log.warning("prefix index: instance %.64r holds %d blocks, all instances %d "
+                        "(max_blocks_per_instance %d, max_blocks %d); further blocks it stores "
+                        "are left out", iid, len(self._blocks.get(iid, ())), self._entries,
+                        self.max_blocks_per_instance, self.max_blocks)
 
     def _remove(self, iid: str, hashes: Sequence[int]) -> None:
         mine = self._blocks.get(iid)
@@ -207,10 +214,13 @@ class MemoryPrefixIndex(PrefixIndex):
             return
         for h in hashes:
             if mine.pop(h, None) is not None:
+                self._entries -= 1
                 self._unhold(iid, h)
 
     def _drop_blocks(self, iid: str) -> None:
-        for h in self._blocks.pop(iid, {}):
+        mine = self._blocks.pop(iid, {})
+        self._entries -= len(mine)
+        for h in mine:
             self._unhold(iid, h)
 
     def _unhold(self, iid: str, h: int) -> None:

@@ -18,11 +18,12 @@ Contract shared by every backend (tests/integration/test_prefix_index.py checks 
 - Events may arrive before an instance's first heartbeat; they are kept for one `ttl_s`, and
   count in `match()` once the heartbeat arrives.
 - Bounded: the index knows at most `max_instances` instances (live, lapsed but not yet swept,
-  or heard from only through events). A new one beyond that is refused: `apply()` and
-  `resync()` return False and `heartbeat()` records nothing. An instance is credited with at
-  most `max_blocks_per_instance` blocks; further stored blocks are left out (a real engine's
-  cache is far smaller, so only a faulty or hostile publisher is under-credited, which costs
-  routing quality and nothing else). Both caps count in `capped`.
+  or heard from only through events). A new one beyond that is refused: `apply()`,
+  `resync()` and `heartbeat()` return False and record nothing. An instance is credited with
+  at most `max_blocks_per_instance` blocks, and all instances together with `max_blocks`;
+  further stored blocks are left out (a real engine's cache is far smaller, so only a faulty or
+  hostile publisher is under-credited, which costs routing quality and nothing else). The
+  caps count what they leave out in `capped`.
 - Methods never raise for backend trouble (e.g. Redis down): `match()` and `instances()` return
   {}, `apply()` and `resync()` return False, and the backend counts the failure in `errors`.
   So a publisher's loop heals itself: `if not index.apply(batch): index.resync(...)`, again on
@@ -54,6 +55,7 @@ class PrefixIndexConfig:
     # Bounds on what publishers can make the index hold (see the contract above).
     max_instances: int = 1024
     max_blocks_per_instance: int = 1 << 20  # 16M tokens at 16 a block
+    max_blocks: int = 1 << 22  # all instances together: about 600 MB in the router's memory
 
     def __post_init__(self) -> None:
         if self.backend not in ("memory", "redis"):
@@ -63,13 +65,14 @@ class PrefixIndexConfig:
             raise ValueError(f"ttl_s must be positive, got {self.ttl_s}")
         if self.socket_timeout_s <= 0 or self.retry_interval_s < 0:
             raise ValueError("socket_timeout_s must be positive and retry_interval_s >= 0")
-        check_caps(self.max_instances, self.max_blocks_per_instance)
+        check_caps(self.max_instances, self.max_blocks_per_instance, self.max_blocks)
 
 
-def check_caps(max_instances: int, max_blocks_per_instance: int) -> None:
+def check_caps(max_instances: int, max_blocks_per_instance: int, max_blocks: int) -> None:
     """ValueError naming the cap that is not a positive int."""
     for name, value in (("max_instances", max_instances),
-                        ("max_blocks_per_instance", max_blocks_per_instance)):
+                        ("max_blocks_per_instance", max_blocks_per_instance),
+                        ("max_blocks", max_blocks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
 
@@ -96,8 +99,9 @@ class PrefixIndex(ABC):
         """For each live instance, how many leading blocks of the prompt it holds (0 if none)."""
 
     @abstractmethod
-    def heartbeat(self, instance_id: str, info: dict[str, Any]) -> None:
-        """Mark an instance live for ttl_s more and store its info (role, address, load)."""
+    def heartbeat(self, instance_id: str, info: dict[str, Any]) -> bool:
+        """Mark an instance live for ttl_s more and store its info (role, address, load);
+        False when a cap refused a new instance (True while the backend is down)."""
 
     @abstractmethod
     def instances(self) -> dict[str, dict[str, Any]]:
@@ -129,4 +133,5 @@ def create_prefix_index(config: PrefixIndexConfig | None = None) -> PrefixIndex:
     from pdserve.router.memory_index import MemoryPrefixIndex
 
     return MemoryPrefixIndex(ttl_s=config.ttl_s, max_instances=config.max_instances,
-                             max_blocks_per_instance=config.max_blocks_per_instance)
+                             max_blocks_per_instance=config.max_blocks_per_instance,
+                             max_blocks=config.max_blocks)

@@ -7,6 +7,7 @@ Key schema (P = key prefix, "pdserve" by default; hashes are decimal ints in [0,
     P:iblk:<id>       SET    block hashes held by instance <id> (for removal and cleanup)
     P:seq:<id>        STRING last applied KV event batch seq of <id>
     P:inst:<id>       STRING heartbeat info of <id> (JSON), PX TTL = ttl; exists <=> live
+    P:nblocks         STRING (instance, block) pairs held: the sum of the P:iblk sets' sizes
     P:instances       ZSET   instance id -> deadline (Redis server ms) of every instance the
                              index knows; lapsed members are swept (all their keys removed)
 
@@ -27,7 +28,7 @@ the publisher resyncs.
 
 The caps of prefix_index.py hold here too: a new instance is admitted while P:instances has
 fewer than `max_instances` members, and a block is stored while P:iblk:<id> has fewer than
-`max_blocks_per_instance` members.
+`max_blocks_per_instance` members and P:nblocks is below `max_blocks`.
 """
 
 from __future__ import annotations
@@ -54,11 +55,15 @@ _LUA_PRELUDE = """
 local P = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function uncount(n)  -- P:nblocks goes when it reaches 0, so a swept index leaves no key
+  if redis.call('DECRBY', P .. 'nblocks', n) <= 0 then redis.call('DEL', P .. 'nblocks') end
+end
 local function drop_blocks(id)
   local setk = P .. 'iblk:' .. id
   local hs = redis.call('SMEMBERS', setk)
   for i = 1, #hs do redis.call('HDEL', P .. 'blk:' .. hs[i], id) end
   redis.call('DEL', setk)
+  if #hs > 0 then uncount(#hs) end
 end
 local function forget(id)
   drop_blocks(id)
@@ -74,19 +79,29 @@ local function admitted(id, max_instances)
   if redis.call('ZSCORE', P .. 'instances', id) then return true end
   return redis.call('ZCARD', P .. 'instances') < max_instances
 end
--- Records that id holds block h, unless that would take it past maxb blocks: returns 1 then.
-local function store(setk, id, h, val, maxb)
-  if redis.call('SISMEMBER', setk, h) == 0 and redis.call('SCARD', setk) >= maxb then
-    return 1
+-- Records that id holds block h, unless that would take it past maxb blocks, or all instances
+-- past maxall: returns 1 then. P:nblocks counts (instance, block) pairs.
+local function store(setk, id, h, val, maxb, maxall)
+  if redis.call('SISMEMBER', setk, h) == 0 then
+    if redis.call('SCARD', setk) >= maxb or
+       tonumber(redis.call('GET', P .. 'nblocks') or '0') >= maxall then
+      return 1
+    end
+    redis.call('SADD', setk, h)
+    redis.call('INCR', P .. 'nblocks')
   end
   redis.call('HSET', P .. 'blk:' .. h, id, val)
-  redis.call('SADD', setk, h)
   return 0
+end
+local function unstore(setk, id, h)
+  redis.call('HDEL', P .. 'blk:' .. h, id)
+  if redis.call('SREM', setk, h) == 1 then uncount(1) end
 end
 """
 
-# ARGV: prefix, id, seq, value, ttl_ms, max_instances, max_blocks, ops... ('+h' stored, '-h'
-# removed, '!' all cleared). Returns {applied (0/1), stored blocks or instances left out}.
+# ARGV: prefix, id, seq, value, ttl_ms, max_instances, max_blocks_per_instance, max_blocks,
+# ops... ('+h' stored, '-h' removed, '!' all cleared). Returns {applied (0/1), stored blocks or
+# instances left out}.
 _LUA_APPLY = _LUA_PRELUDE + """
 local id, seq, val, ttl = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 sweep()
@@ -100,15 +115,14 @@ if seq == 0 then
 elseif not last or seq ~= last + 1 then
   return {0, 0}
 end
-local setk, maxb, capped = P .. 'iblk:' .. id, tonumber(ARGV[7]), 0
-for i = 8, #ARGV do
+local setk, maxb, maxall, capped = P .. 'iblk:' .. id, tonumber(ARGV[7]), tonumber(ARGV[8]), 0
+for i = 9, #ARGV do
   local op = ARGV[i]
   local c, h = string.sub(op, 1, 1), string.sub(op, 2)
   if c == '+' then
-    capped = capped + store(setk, id, h, val, maxb)
+    capped = capped + store(setk, id, h, val, maxb, maxall)
   elseif c == '-' then
-    redis.call('HDEL', P .. 'blk:' .. h, id)
-    redis.call('SREM', setk, h)
+    unstore(setk, id, h)
   else
     drop_blocks(id)
   end
@@ -118,15 +132,15 @@ redis.call('ZADD', P .. 'instances', 'NX', now + ttl, id)
 return {1, capped}
 """
 
-# ARGV: prefix, id, seq, value, ttl_ms, max_instances, max_blocks, hashes... Returns as apply.
+# ARGV: prefix, id, seq, value, ttl_ms, the three caps as apply's, hashes... Returns as apply.
 _LUA_RESYNC = _LUA_PRELUDE + """
 local id, val, ttl = ARGV[2], ARGV[4], tonumber(ARGV[5])
 sweep()
 if not admitted(id, tonumber(ARGV[6])) then return {0, 1} end
 drop_blocks(id)
-local setk, maxb, capped = P .. 'iblk:' .. id, tonumber(ARGV[7]), 0
-for i = 8, #ARGV do
-  capped = capped + store(setk, id, ARGV[i], val, maxb)
+local setk, maxb, maxall, capped = P .. 'iblk:' .. id, tonumber(ARGV[7]), tonumber(ARGV[8]), 0
+for i = 9, #ARGV do
+  capped = capped + store(setk, id, ARGV[i], val, maxb, maxall)
 end
 redis.call('SET', P .. 'seq:' .. id, ARGV[3])
 redis.call('ZADD', P .. 'instances', 'NX', now + ttl, id)
@@ -173,11 +187,12 @@ class RedisPrefixIndex(PrefixIndex):
                  ttl_s: float = 10.0, socket_timeout_s: float = 0.1,
                  retry_interval_s: float = 0.5,
                  max_instances: int = PrefixIndexConfig.max_instances,
-                 max_blocks_per_instance: int = PrefixIndexConfig.max_blocks_per_instance):
+                 max_blocks_per_instance: int = PrefixIndexConfig.max_blocks_per_instance,
+                 max_blocks: int = PrefixIndexConfig.max_blocks):
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        check_caps(max_instances, max_blocks_per_instance)
-        self.caps = (max_instances, max_blocks_per_instance)
+        check_caps(max_instances, max_blocks_per_instance, max_blocks)
+        self.caps = (max_instances, max_blocks_per_instance, max_blocks)
         self.capped = 0
         self._capped_calls = 0
         self.url = url
@@ -200,7 +215,8 @@ class RedisPrefixIndex(PrefixIndex):
                    socket_timeout_s=config.socket_timeout_s,
                    retry_interval_s=config.retry_interval_s,
                    max_instances=config.max_instances,
-                   max_blocks_per_instance=config.max_blocks_per_instance)
+                   max_blocks_per_instance=config.max_blocks_per_instance,
+                   max_blocks=config.max_blocks)
 
     # --- events ---------------------------------------------------------------------------
 
@@ -240,7 +256,8 @@ class RedisPrefixIndex(PrefixIndex):
             calls = self._capped_calls
         if calls & (calls - 1) == 0:
             log.warning("prefix index: blocks or a new instance (%.64r) left out for the caps "
-                        "(max_instances %d, max_blocks_per_instance %d); %d so far",
+                        "(max_instances %d, max_blocks_per_instance %d, max_blocks %d); %d so "
+                        "far",
                         instance_id, *self.caps, self.capped)
 
     # --- queries --------------------------------------------------------------------------
@@ -279,11 +296,12 @@ class RedisPrefixIndex(PrefixIndex):
 
     # --- registry -------------------------------------------------------------------------
 
-    def heartbeat(self, instance_id: str, info: dict[str, Any]) -> None:
+    def heartbeat(self, instance_id: str, info: dict[str, Any]) -> bool:
         admitted = self._guarded(1, self._r.eval, _LUA_HEARTBEAT, 0, self._p, instance_id,
                                  json.dumps(info), self.ttl_ms, self.caps[0])
         if not admitted:
             self._count_capped(1, instance_id)
+        return bool(admitted)
 
     def remove_instance(self, instance_id: str) -> None:
         self._guarded(0, self._r.eval, _LUA_REMOVE, 0, self._p, instance_id)

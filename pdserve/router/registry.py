@@ -8,8 +8,9 @@ Two feeds fill one table keyed by instance id (the address while the id is unkno
 An instance not seen within `ttl_s` is ignored for routing; `mark_down()` (an RPC to it failed)
 takes it out at once, until an observation that started after the failure brings it back.
 The table holds at most `max_instances` instances: a new heartbeating one is refused
-(`RegistryFull`) unless one already there has not been heard from within `ttl_s`. Static
-instances (the operator's list) always get in.
+(`RegistryFull`) until one there has been silent for `forget_after_s`. Static instances (the
+operator's list) always get in; one that answers with a new id (a restart) replaces its old
+entry.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2_grpc
 from pdserve.router.scorers.base import InstanceView
+from pdserve.router.wire_names import check_instance_id
 
 DEFAULT_BLOCK_SIZE = 16
 ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "both", "both": "both"}
@@ -82,12 +84,17 @@ def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = 
     for name in COUNTS:
         if getattr(load, name) < 0:
             raise ValueError(f"{name}: must be >= 0, got {getattr(load, name)}")
+    if len(load.connector) > 16:
+        raise ValueError(f"connector: expected a connector's name, got {load.connector[:40]!r}")
+    kept = common_pb2.Load()  # NOTE: a copy without unknown fields, which nothing reads
+    kept.CopyFrom(load)
+    kept.DiscardUnknownFields()
     view = InstanceView(
-        id=load.instance_id or address, role=ROLES[role], address=address,
+        id=check_instance_id(load.instance_id or address), role=ROLES[role], address=address,
         queued_requests=load.waiting_requests, queued_tokens=load.waiting_tokens,
         running_requests=load.running_requests, free_blocks=load.free_blocks,
         total_blocks=load.total_blocks)
-    return Instance(view, load.connector, max(0, load.block_size), seen_at, static, load=load)
+    return Instance(view, load.connector, max(0, load.block_size), seen_at, static, load=kept)
 
 
 class RegistryFull(Exception):
@@ -174,17 +181,22 @@ class Registry:
 
     def _make_room(self, now: float) -> None:
         """Room for one more heartbeating instance, or RegistryFull (caller holds the lock)."""
-        if len(self._table) < self.max_instances:
-            return
-        self._forget_lapsed(now, self.ttl_s)  # full: those not heard from lately go first
+        self._forget_lapsed(now)
         if len(self._table) >= self.max_instances:
             raise RegistryFull(f"the router already tracks {self.max_instances} instances "
                                f"(--max-instances)")
 
-    def _forget_lapsed(self, now: float, after_s: float | None = None) -> None:
-        after_s = self.forget_after_s if after_s is None else after_s
+    def forget(self, instance_id: str) -> None:
+        """Drop an instance now (a static address answered with a new id: it restarted)."""
+        with self._lock:
+            inst = self._table.pop(instance_id, None)
+            if inst is not None and all(i.address != inst.address
+                                        for i in self._table.values()):
+                self.on_forget(inst.address)
+
+    def _forget_lapsed(self, now: float) -> None:
         lapsed = [i for i, inst in self._table.items()
-                  if not inst.static and now - inst.last_seen > after_s]
+                  if not inst.static and now - inst.last_seen > self.forget_after_s]
         gone = {self._table.pop(iid).address for iid in lapsed}
         for address in gone - {inst.address for inst in self._table.values()}:
             self.on_forget(address)
@@ -244,6 +256,9 @@ class StaticPoller:
                                              seen_at=started, static=True)
             except ValueError:
                 continue
+            old = self._ids.get(address)
+            if old is not None and old != inst.id:
+                self.registry.forget(old)
             self._ids[address] = inst.id
 
     def _run(self) -> None:

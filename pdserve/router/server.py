@@ -27,7 +27,6 @@ from pdserve.models.loader import DEFAULT_MODEL, load_arch, load_tokenizer, reso
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
 from pdserve.router.core import RouterCore
-from pdserve.router.kv_events import check_medium
 from pdserve.router.kv_events_wire import batch_from_proto
 from pdserve.router.prefix_index import (
     PrefixIndex,
@@ -36,6 +35,7 @@ from pdserve.router.prefix_index import (
 )
 from pdserve.router.registry import Registry, RegistryFull, StaticPoller
 from pdserve.router.routing import Planner, RouterConfig
+from pdserve.router.wire_names import check_instance_id, check_medium, check_request_id
 from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
 from pdserve.services.grpc_server import GrpcServer, service_name
 from pdserve.services.instance import heartbeat_info
@@ -53,11 +53,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def Generate(self, request, context):
         from pdserve.router.generate_flow import GenerateFlow
 
+        _check_request_id(request, context)
         yield from GenerateFlow(self.core, request, context).run()
 
     def Embed(self, request, context):
         from pdserve.router.embed_flow import EmbedFlow
 
+        _check_request_id(request, context)
         return EmbedFlow(self.core, request, context).run()
 
     def Heartbeat(self, request, context):
@@ -86,14 +88,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.PublishKVEventsResponse(applied=self.index.apply(batch))
 
     def ResyncKVState(self, request, context):
-        if not request.instance_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "instance_id: must not be empty")
         try:
-            applied = self.index.resync(request.instance_id, list(request.block_hashes),
-                                        request.seq, check_medium(request.medium or "gpu"))
+            applied = self.index.resync(check_instance_id(request.instance_id),
+                                        list(request.block_hashes), request.seq,
+                                        check_medium(request.medium or "gpu"))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return router_pb2.PublishKVEventsResponse(applied=applied)
+
+
+def _check_request_id(request, context) -> None:
+    try:
+        check_request_id(request.request_id)
+    except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
 class RouterServer:

@@ -17,6 +17,7 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2_grpc
+from pdserve.router.wire_names import check_instance_id
 from pdserve.router.channels import ChannelPool
 from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
 from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
@@ -45,7 +46,8 @@ class Instance:
         from pdserve.engine.llm_engine import LLMEngine  # torch: not imported for --help
 
         self.role = role
-        self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.instance_id = check_instance_id(instance_id or f"{role}-{uuid.uuid4().hex[:8]}",
+                                             "--instance-id")
         self.channels = ChannelPool(credentials)
         self.server = GrpcServer(host, port, max_requests_in_flight, LONG_METHODS,
                                  credentials=credentials)

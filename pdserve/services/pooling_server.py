@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from pdserve.router.wire_names import MAX_WIRE_REQUEST_ID_CHARS, check_request_id
 from pdserve.services.grpc_server import service_name
 from pdserve.services.stream_wait import abort_when_done, next_output
 
@@ -26,8 +27,9 @@ class PoolingServicer(engine_pb2_grpc.PoolingServicer):
         # convert imports the KV connector, hence torch: not at import time (pdserve --help)
         from pdserve.services.convert import pooling_from_proto
 
-        rid = request.request_id or uuid.uuid4().hex
         try:
+            rid = check_request_id(request.request_id, MAX_WIRE_REQUEST_ID_CHARS) or \
+                uuid.uuid4().hex
             pooling = pooling_from_proto(request.pooling)
             if not request.prompt_token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")

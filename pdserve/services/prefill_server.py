@@ -9,6 +9,7 @@ import uuid
 import grpc
 
 from pdserve.proto.pdserve.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.router.wire_names import MAX_WIRE_REQUEST_ID_CHARS, check_request_id
 from pdserve.sampling_params import RequestOutputKind
 from pdserve.services.grpc_server import service_name
 from pdserve.services.instance import Instance, add_instance_args, run_instance
@@ -24,8 +25,9 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     def Prefill(self, request, context):
         from pdserve.services.convert import params_from_proto
 
-        rid = request.request_id or uuid.uuid4().hex
         try:
+            rid = check_request_id(request.request_id, MAX_WIRE_REQUEST_ID_CHARS) or \
+                uuid.uuid4().hex
             params = params_from_proto(request.sampling)
             if not request.prompt_token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")

@@ -13,7 +13,7 @@ PROMPT = "The history of the printing press begins in ancient China where " * 3
 
 
 def engine(model_dir, name, connector=None, **kw):
-    args = EngineArgs(model=str(model_dir), kv_cache_memory_bytes=4 << 20, **kw)
+    args = EngineArgs(model=str(model_dir), **{"kv_cache_memory_bytes": 4 << 20, **kw})
     return LLMEngine.from_engine_args(args, connector=connector)
 
 
@@ -289,3 +289,68 @@ def test_a_decode_does_not_wait_for_the_producer_to_hear_of_its_load(tiny_model_
     finally:
         let_go.set()
         decode.connector.close()
+
+
+def colocated_outputs(model_dir, requests):
+    probe = engine(model_dir, "probe")
+    for rid, ids, params in requests:
+        probe.add_request(rid, {"prompt_token_ids": ids}, params)
+    return {rid: out.outputs[0].token_ids for rid, out in run(probe).items()}, probe
+
+
+def hand_over(prefill, decode, rid, ids, params):
+    """Prefill `ids` on `prefill` and add the request to `decode` with the KV handle."""
+    first = params.clone()
+    first.max_tokens = 1
+    prefill.add_request(rid, {"prompt_token_ids": ids}, first,
+                        kv_transfer_params={"do_remote_decode": True})
+    p_out = run(prefill)[rid]
+    decode.add_request(rid, {"prompt_token_ids": ids}, params,
+                       kv_transfer_params={"remote_handle": p_out.kv_transfer_params["handle"],
+                                           "output_token_ids": p_out.outputs[0].token_ids})
+
+
+def test_a_full_decode_pool_held_by_arrived_kv_never_stalls(tiny_model_dir, pd_pair):
+    """A decode engine's pool is nearly all held by a request whose KV arrived, and a local
+    request preempted for room sits ahead of it in the queue: the engine still finishes both,
+    each with the colocated output (the arrived request runs first and gives the pool back)."""
+    prefill, _, _ = pd_pair
+    local = ("local", list(range(300, 331)),
+             SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    remote = ("remote", list(range(400, 528)),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    want, probe = colocated_outputs(tiny_model_dir, [local, remote])
+    bytes_per_block = (4 << 20) // probe.block_pool.num_blocks
+    d_conn = TransportConnector(make_transport("shm", "d-small"))
+    decode = engine(tiny_model_dir, "d-small", d_conn,
+                    kv_cache_memory_bytes=10 * bytes_per_block)  # 10 blocks of 16 tokens
+    assert decode.block_pool.num_blocks == 10
+    try:
+        decode.add_request(local[0], {"prompt_token_ids": local[1]}, local[2])
+        decode.step()  # its prompt holds 2 blocks
+        hand_over(prefill, decode, *remote)  # 8 more: the pool is full, "local" must wait
+        outs = run(decode)
+        assert {rid: o.outputs[0].token_ids for rid, o in outs.items()} == want
+        assert decode.block_pool.num_free_blocks == 10
+    finally:
+        d_conn.close()
+
+
+def test_arrived_kv_that_fills_the_pool_is_recomputed_rather_than_stall(tiny_model_dir, pd_pair):
+    """Two requests whose KV arrived hold the whole pool and each needs one block more to
+    go on: the later one gives its blocks back and computes its prompt when room returns."""
+    prefill, _, _ = pd_pair
+    requests = [(f"r{k}", list(range(500 + 100 * k, 580 + 100 * k)),
+                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for k in (0, 1)]
+    want, probe = colocated_outputs(tiny_model_dir, requests)
+    bytes_per_block = (4 << 20) // probe.block_pool.num_blocks
+    d_conn = TransportConnector(make_transport("shm", "d-full"))
+    decode = engine(tiny_model_dir, "d-full", d_conn, kv_cache_memory_bytes=10 * bytes_per_block)
+    try:
+        for request in requests:  # 80 prompt tokens: 5 blocks each, then a 6th to decode
+            hand_over(prefill, decode, *request)
+        outs = run(decode)
+        assert {rid: o.outputs[0].token_ids for rid, o in outs.items()} == want
+        assert decode.block_pool.num_free_blocks == 10
+    finally:
+        d_conn.close()

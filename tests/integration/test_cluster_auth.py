@@ -179,3 +179,37 @@ def test_instances_refuse_calls_without_the_cluster_secret(cluster, want):
     # The cluster secret is also accepted on the public surface (a gateway in the cluster).
     tokens, _ = generate(cluster, [(TOKEN_HEADER, SECRET)])
     assert tokens == want
+
+
+def test_oversized_or_forging_ids_are_refused_naming_the_field(cluster, want):
+    """Ids are stored per block, logged per request and used as label values: short and
+    printable only, at the router and at the instances."""
+    member = [(TOKEN_HEADER, SECRET)]
+    client = [("authorization", f"Bearer {API_KEY}")]
+    long_id = "i" * 129
+    refusals = [
+        ("instance_id", lambda: router(cluster).Heartbeat(common_pb2.Load(
+            instance_id=long_id, role="decode", address="127.0.0.1:9", block_size=16),
+            timeout=5, metadata=member)),
+        ("instance_id", lambda: router(cluster).PublishKVEvents(router_pb2.KVEventBatch(
+            instance_id=long_id, seq=0), timeout=5, metadata=member)),
+        ("instance_id", lambda: router(cluster).ResyncKVState(router_pb2.KVStateSnapshot(
+            instance_id="a b", seq=0, block_hashes=[1]), timeout=5, metadata=member)),
+        ("request_id", lambda: list(router(cluster).Generate(router_pb2.GenerateRequest(
+            request_id="ok\nforged log line", token_ids=router_pb2.TokenIds(ids=PROMPT),
+            sampling=GREEDY), timeout=30, metadata=client))),
+        ("request_id", lambda: router(cluster).Embed(router_pb2.EmbedRequest(
+            request_id="r" * 257, token_ids=router_pb2.TokenIds(ids=PROMPT)), timeout=30,
+            metadata=client)),
+    ]
+    decode = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(cluster.child("decode-0").address))
+    refusals.append(("request_id", lambda: list(decode.Decode(engine_pb2.DecodeRequest(
+        request_id="d" * 1000, prompt_token_ids=PROMPT, sampling=GREEDY), timeout=30,
+        metadata=member))))
+    for field, call in refusals:
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert field in e.value.details()
+    tokens, last = generate(cluster, client)
+    assert tokens == want and last.served_by.decode_instance == "decode-0"

@@ -183,11 +183,25 @@ def test_an_instance_is_credited_with_at_most_max_blocks(make_index: MakeIndex) 
     assert index.match([100, 101, 102, 103, 104]) == {"a": 0, "b": 4}
 
 
+def test_all_instances_together_hold_at_most_max_blocks(make_index: MakeIndex) -> None:
+    index = make_index(max_blocks=5)
+    live(index, "a", "b")
+    assert index.apply(batch("a", 0, stored(1, 2, 3, 4)))
+    assert index.apply(batch("b", 0, stored(1, 2, 3)))
+    assert index.num_blocks("b") == 1 and index.capped == 2
+    assert index.apply(batch("a", 1, BlockRemoved((3, 4))))  # frees room for b
+    assert index.apply(batch("b", 1, stored(2, 3, 4)))
+    assert index.match([1, 2, 3, 4]) == {"a": 2, "b": 3} and index.capped == 3
+    index.remove_instance("b")
+    assert index.resync("a", [1, 2, 3, 4, 5, 6], seq=1)
+    assert index.num_blocks("a") == 5 and index.capped == 4
+
+
 def test_instances_beyond_max_instances_are_refused_until_one_lapses(
         make_index: MakeIndex) -> None:
     index = make_index(ttl_s=1.0, max_instances=2)
     live(index, "a", "b")
-    live(index, "c")
+    assert not index.heartbeat("c", {"role": "decode", "address": "c:9000"})
     assert set(index.instances()) == {"a", "b"}
     assert not index.apply(batch("c", 0, stored(1)))
     assert not index.resync("c", [1], seq=-1)

@@ -356,6 +356,18 @@ def test_metrics(client, backend):
     assert m[("pdserve:e2e_request_latency_seconds_count", "")] == 1
 
 
+def test_finish_reasons_an_instance_invents_share_one_label():
+    from pdserve.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics("m")
+    for reason in ("stop", "made-up-1", "made-up-2", None, "length"):
+        metrics.finished(reason)
+    counts = {s.labels["finished_reason"]: s.value
+              for f in text_string_to_metric_families(metrics.render(None).decode())
+              for s in f.samples if s.name == "pdserve:request_success_total"}
+    assert counts == {"stop": 1, "length": 1, "other": 2, "unknown": 1}
+
+
 @pytest.mark.parametrize("path, body, bad", [
     ("/v1/completions", {"model": "fake-model", "prompt": "Hi", "max_tokens": 4, "temperature": 0.5},
      {"model": "fake-model", "prompt": "Hi", "max_tokens": "four"}),

@@ -45,7 +45,7 @@ def test_observe_maps_load_to_view(reg):
     assert inst.to_load().waiting_tokens == 300
 
 
-def test_a_full_registry_refuses_new_instances_until_one_goes_quiet(clock):
+def test_a_full_registry_refuses_new_instances_until_one_is_forgotten(clock):
     reg = Registry(ttl_s=3.0, forget_after_s=30.0, clock=clock, max_instances=2)
     reg.observe(load("d0", address="127.0.0.1:5001"))
     reg.observe(load("d1", address="127.0.0.1:5002"))
@@ -54,20 +54,17 @@ def test_a_full_registry_refuses_new_instances_until_one_goes_quiet(clock):
     reg.observe(load("p0", role="prefill", address="127.0.0.1:6000"), static=True)  # listed
     reg.observe(load("d0", address="127.0.0.1:5001", running_requests=3))  # known: served
     assert [i.id for i in reg.live()] == ["d0", "d1", "p0"]
-    clock.t += 2.0
+    clock.t += 10.0  # quiet past ttl_s, not yet forgotten: still no room
     reg.observe(load("d0", address="127.0.0.1:5001"))
-    reg.observe(load("p0", role="prefill", address="127.0.0.1:6000"), static=True)
-    clock.t += 2.0  # d1 is 4 s quiet, past ttl_s: its place goes to a newcomer
-    with pytest.raises(RegistryFull):  # p0 and d0 fill the table once d1 is gone
+    with pytest.raises(RegistryFull):
         reg.observe(load("d2", address="127.0.0.1:5003"))
-    assert [i.id for i in reg.all()] == ["d0", "p0"]
-    reg = Registry(ttl_s=3.0, forget_after_s=30.0, clock=clock, max_instances=3)
-    for k in range(3):
-        reg.observe(load(f"d{k}", address=f"127.0.0.1:{5001 + k}"))
-    clock.t += 4.0
-    reg.observe(load("d0", address="127.0.0.1:5001"))
-    reg.observe(load("d3", address="127.0.0.1:5004"))  # d1 and d2 went quiet: room
-    assert [i.id for i in reg.all()] == ["d0", "d3"]
+    reg.forget("p0")
+    assert [i.id for i in reg.all()] == ["d0", "d1"]
+    clock.t += 25.0  # d1 silent for 35 s: forgotten, its place free
+    reg.observe(load("d2", address="127.0.0.1:5003"))
+    with pytest.raises(RegistryFull):
+        reg.observe(load("d3", address="127.0.0.1:5004"))
+    assert [i.id for i in reg.all()] == ["d0", "d2"]
 
 
 @pytest.mark.parametrize("role, live_as_prefill, live_as_decode", [
@@ -172,8 +169,10 @@ def test_bad_config():
 
 
 class _Decode(engine_pb2_grpc.DecodeServicer):
+    instance_id = "dec-a"
+
     def GetLoad(self, request, context):
-        return common_pb2.Load(instance_id="dec-a", role="decode", address="ignored:1",
+        return common_pb2.Load(instance_id=self.instance_id, role="decode", address="ignored:1",
                                free_blocks=5, total_blocks=8, block_size=16)
 
 
@@ -203,6 +202,25 @@ def test_static_poller_over_grpc(reg):
         server.stop(0)
         for ch in channels.values():
             ch.close()
+
+
+def test_a_static_instance_restarted_with_a_new_id_replaces_its_entry(reg):
+    servicer = _Decode()
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    engine_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    channels = ChannelPool()
+    poller = StaticPoller(reg, [(address, "decode")], channels.get, poll_interval_s=0.1)
+    try:
+        for k in range(3):  # each restart picks a new id, as instances do by default
+            servicer.instance_id = f"decode-{k}"
+            poller.poll_once()
+            assert [i.id for i in reg.all()] == [f"decode-{k}"]
+        assert channels.addresses() == {address}  # the one channel stays open
+    finally:
+        server.stop(0)
+        channels.close()
 
 
 def test_static_poller_rejects_bad_role(reg):
