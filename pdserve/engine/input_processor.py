@@ -6,11 +6,29 @@ import copy
 import time
 from collections.abc import Mapping
 
+from pdserve.block_hash import check_cache_salt
 from pdserve.config import ModelConfig
 from pdserve.engine.request import Request
 from pdserve.engine.structured_output import StructuredOutputManager
 from pdserve.kv_transfer.connector import KVHandle
 from pdserve.sampling_params import SamplingParams
+
+
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
+def check_prompt_keys(prompt: Mapping) -> None:
+    """ValueError naming a prompt field pdserve does not serve (multimodal data, embeddings
+    as input, ...) rather than generating as if it were not there."""
+    for key in prompt:
+        if key not in PROMPT_KEYS:
+            raise ValueError(f"prompt.{key}: not supported (pdserve serves text prompts: "
+                             f"{', '.join(sorted(PROMPT_KEYS))})")
+
+
+def prompt_cache_salt(prompt) -> str | None:
+    """The prompt's cache_salt, checked; None for a plain string or a prompt without one."""
+    return check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, Mapping) else None
 
 
 class InputProcessor:
@@ -31,6 +49,8 @@ class InputProcessor:
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A str, TextPrompt or TokensPrompt -> (prompt text or None, token ids). The length
         is checked by `make_requests`, after SamplingParams.truncate_prompt_tokens."""
+        if isinstance(prompt, Mapping):
+            check_prompt_keys(prompt)
         if isinstance(prompt, str):
             text, ids = prompt, None
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -13,11 +13,17 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.metrics_reader import Metric
 from pdserve.engine.pooling import add_pooling_prompts, to_embedding_outputs
-from pdserve.engine.vllm_args import load_chat_template
+from pdserve.engine.vllm_args import load_chat_template, refuse_unsupported
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+UseTqdm = bool | Callable[..., Any]
+# How chat templates see message content: pdserve joins text parts into one string, which
+# every template accepts, whatever the format asked for.
+CONTENT_FORMATS = frozenset({"auto", "string", "openai"})
 
 
 class LLM:
@@ -40,13 +46,19 @@ class LLM:
         return SamplingParams()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True,
-                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+                 | None = None, use_tqdm: UseTqdm = True, lora_request: Any = None,
+                 priority: int | Sequence[int] | None = None,
+                 tokenization_kwargs: dict | None = None,
+                 mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate completions for one prompt or a list; outputs keep the input order.
 
         `priority` (with scheduling_policy="priority"; lower runs first): an int for every
-        prompt, or a list with one per prompt.
+        prompt, or a list with one per prompt. `use_tqdm` may be a callable that makes the
+        progress bar (as tqdm does). LoRA, tokenization and multimodal options are vLLM's
+        arguments for what pdserve does not do: None (or empty) only.
         """
+        refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                           mm_processor_kwargs=mm_processor_kwargs)
         return self._run(self._add_prompts(prompts, sampling_params, priority), use_tqdm)
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
@@ -106,16 +118,20 @@ class LLM:
         return run_beam_search(searches, next_token_logprobs, tokenizer.decode)
 
     def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
-                | None = None, priority: int | Sequence[int] | None = None,
-                use_tqdm: bool = True) -> list[str]:
+                | None = None, lora_request: Any = None,
+                priority: int | Sequence[int] | None = None, use_tqdm: UseTqdm = True,
+                tokenization_kwargs: dict | None = None,
+                mm_processor_kwargs: dict | None = None) -> list[str]:
         """Queue prompts without running them; returns their request ids (see
         wait_for_completion)."""
+        refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                           mm_processor_kwargs=mm_processor_kwargs)
         ids = self._add_prompts(prompts, sampling_params, priority)
         self._enqueued.extend(ids)
         return ids
 
     def wait_for_completion(self, output_type: Any = None, *,
-                            use_tqdm: bool = True) -> list[RequestOutput]:
+                            use_tqdm: UseTqdm = True) -> list[RequestOutput]:
         """Run every queued request to the end; returns the enqueued ones' outputs in the
         order they were enqueued."""
         ids = self._enqueued
@@ -125,7 +141,10 @@ class LLM:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:
-        """Forget the prefix cache; False when blocks are still in use."""
+        """Forget the prefix cache; False when blocks are still in use. Running requests are
+        never reset here, and connectors keep no cache: both flags must stay False."""
+        refuse_unsupported(reset_running_requests=reset_running_requests or None,
+                           reset_connector=reset_connector or None)
         return self.llm_engine.reset_prefix_cache()
 
     def get_metrics(self) -> list[Metric]:
@@ -141,23 +160,30 @@ class LLM:
         self.llm_engine.wake_up(tags)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams]
-             | None = None, use_tqdm: bool = True, chat_template: str | None = None,
+             | None = None, use_tqdm: UseTqdm = True, lora_request: Any = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             priority: int | Sequence[int] | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tokenization_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None,
+             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Apply the chat template (`chat_template`: a Jinja template or a file holding one;
         default: the engine's `chat_template` argument, else the model's) to one conversation
         or a list, then generate. `content` may be a string or OpenAI text parts; `tools`
         (OpenAI function tools) are passed to the template, as are assistant `tool_calls`
         (their JSON `arguments` as objects) and `tool` messages."""
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format: expected one of "
+                             f"{sorted(CONTENT_FORMATS)}, got {chat_template_content_format!r}")
+        refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                           mm_processor_kwargs=mm_processor_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if tools is not None:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = [{"prompt_token_ids": self.apply_chat_template(
             c, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, priority)
+        return self.generate(prompts, sampling_params, use_tqdm, priority=priority)
 
     def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True,
@@ -206,11 +232,12 @@ class LLM:
             raise
         return ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
         engine = self.llm_engine
         done = self._completed  # also keeps enqueued requests that finish during generate()
         wanted, keep = set(ids), set(ids) | set(self._enqueued)
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():

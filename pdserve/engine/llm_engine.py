@@ -9,15 +9,17 @@ import gc
 import itertools
 import logging
 import time
+from typing import Any
 from collections.abc import Iterable
 
 import torch
 
+from pdserve.block_hash import root_hash
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.host_memory import release_freed_memory
-from pdserve.engine.input_processor import InputProcessor
+from pdserve.engine.input_processor import InputProcessor, prompt_cache_salt
 from pdserve.engine.kv_budget import gib, num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.metrics_reader import Metric, engine_metrics
@@ -26,6 +28,7 @@ from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.pooling import make_pooling_request
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.vllm_args import refuse_unsupported
 from pdserve.kv_transfer.connector import KVConnector
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.empty_init import skip_random_init
@@ -72,6 +75,11 @@ class LLMEngine:
                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len,
                                    config.model.arch.eos_token_ids, self.connector)
+        if self.scheduler.max_model_len < config.model.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a "
+                           "sequence may have at most %d (give the cache more memory for more)",
+                           self.scheduler.max_model_len, config.model.max_model_len,
+                           self.scheduler.max_model_len)
         self.runner = ModelRunner(config, self.model, allocate_kv_cache(
             config, self.num_blocks, self.connector))
         self.input_processor = InputProcessor(config.model, self.tokenizer,
@@ -113,11 +121,14 @@ class LLMEngine:
         return self.tokenizer
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams,
-                    arrival_time: float | None = None, priority: int = 0,
-                    kv_transfer_params: dict | None = None) -> str:
-        """Queue a prompt (str, TextPrompt or TokensPrompt); returns `request_id` (as vLLM).
-        With PoolingParams it is an embedding request (its step output is a
-        PoolingRequestOutput, see pooling.py). Raises ValueError on bad input."""
+                    arrival_time: float | None = None, lora_request: Any = None,
+                    tokenization_kwargs: dict | None = None, trace_headers: Any = None,
+                    priority: int = 0, kv_transfer_params: dict | None = None) -> str:
+        """Queue a prompt (str, TextPrompt or TokensPrompt); returns `request_id` (as vLLM,
+        whose argument order this keeps; `trace_headers` is accepted and unused). With
+        PoolingParams it is an embedding request (its step output is a PoolingRequestOutput,
+        see pooling.py). Raises ValueError on bad input."""
+        refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         self._check_awake()
         self._check_id_free(request_id)
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -135,8 +146,10 @@ class LLMEngine:
             children = self.input_processor.make_requests(request_id, ids, params,
                                                           arrival_time, priority,
                                                           kv_transfer_params)
+        root = root_hash(prompt_cache_salt(prompt))
         for child in children:  # n > 1 names its sequences "{i}_{request_id}"
             self._check_id_free(child.request_id)
+            child.hash_root = root
         if children[0].remote_kv is not None and self.connector.kind == "none":
             raise ValueError("handle: this engine has no KV connector to load it with")
         self.output_processor.add(request_id, text, children)

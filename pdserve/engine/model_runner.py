@@ -43,7 +43,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = config.cache.block_size
         self.device = torch.device(config.device.device)
-        self.sampler = Sampler(config.model.arch.vocab_size)
+        self.sampler = Sampler(config.model.arch.vocab_size, config.model.seed)
         if self.device.type == "cpu":
             native.load()  # built (once per machine) now, not on the first request
             keep_freed_memory()  # steps reuse their activations' pages (host_memory.py)

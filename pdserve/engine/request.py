@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.block_hash import ROOT_HASH
+
 if TYPE_CHECKING:
     from pdserve.engine.structured_output import GrammarState
     from pdserve.kv_transfer.connector import KVHandle
@@ -75,8 +77,10 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None  # why a FINISHED_ERROR request failed
     pending_remote_tokens: int = 0  # tokens a remote KV load in flight will provide
-    # Chained hashes of this request's full blocks (prompt and output), see block_hash.py.
+    # Chained hashes of this request's full blocks (prompt and output), see block_hash.py,
+    # from `hash_root` (ROOT_HASH, or the prompt's cache_salt's).
     block_hashes: list[int] = field(default_factory=list)
+    hash_root: int = ROOT_HASH
     # Structured outputs: where this sequence is in its grammar (None: unconstrained).
     grammar: GrammarState | None = None
     # Embeddings: pool the last prompt token's hidden state instead of sampling (pooling.py).

@@ -33,11 +33,21 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per row. Reads rows, never writes them (seeded rows advance their
-    own `generator`)."""
+    """Samples one token per row. Reads rows, never writes them. A row with a seed draws from
+    its own generator; the others share the engine's, seeded with the engine's `seed` (as
+    vLLM seeds its workers), so a run of unseeded requests repeats run to run."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
         self.vocab_size = vocab_size
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The engine's generator for unseeded rows on `device`."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[Request]) -> list[SampleResult]:
         """logits: (B, V') with V' >= vocab_size; row i of logits belongs to rows[i]."""
@@ -55,7 +65,7 @@ class Sampler:
             processed = self.process_logits(logits, rows)
         else:
             processed = logits.to(torch.float32)  # (B, V)
-        tokens = _sample(processed, rows, greedy)  # (B,)
+        tokens = _sample(processed, rows, greedy, self.generator(processed.device))  # (B,)
 
         results = [SampleResult(t, None) for t in tokens.tolist()]
         idx = [i for i, want in enumerate(want_logprobs) if want]
@@ -208,8 +218,10 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[Request]) -> None:
         logits[idx] = logits[idx] - fp * counts - pp * (counts > 0).to(logits.dtype)
 
 
-def _sample(logits: torch.Tensor, rows: Sequence[Request], greedy: list[bool]) -> torch.Tensor:
-    """logits: (B, V) processed. Returns token ids (B,) long."""
+def _sample(logits: torch.Tensor, rows: Sequence[Request], greedy: list[bool],
+            generator: torch.Generator) -> torch.Tensor:
+    """logits: (B, V) processed; `generator` draws for unseeded rows. Returns token ids (B,)
+    long."""
     device = logits.device
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)  # (B,)
     greedy_idx = [i for i, g in enumerate(greedy) if g]
@@ -221,7 +233,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Request], greedy: list[bool]) -
         idx = torch.tensor(random_idx, dtype=torch.long, device=device)
         sub_rows = [rows[i] for i in random_idx]
         probs = sampling_probs(logits[idx], [r.sampling_params for r in sub_rows])  # (n, V)
-        tokens[idx] = _exponential_race(probs, sub_rows)
+        tokens[idx] = _exponential_race(probs, sub_rows, generator)
     return tokens
 
 
@@ -270,16 +282,17 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return logits.softmax(dim=-1)
 
 
-def _exponential_race(probs: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, rows: Sequence[Request],
+                      generator: torch.Generator) -> torch.Tensor:
     """probs: (n, V). argmax(probs / q) with q ~ Exp(1) draws a token with probability probs.
     A seeded row draws q from its own generator only, so its token ignores the rest of the
-    batch; other rows share the global RNG."""
+    batch; other rows share `generator`."""
     q = torch.empty_like(probs)  # (n, V)
     unseeded = [j for j, row in enumerate(rows) if row.sampling_params.seed is None]
     if unseeded:
         idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
         q[idx] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype,
-                             device=probs.device).exponential_()
+                             device=probs.device).exponential_(generator=generator)
     for j, row in enumerate(rows):
         gen = row.next_draw_generator()
         if gen is not None:

@@ -86,7 +86,8 @@ class Scheduler:
     # --- admission -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.hash_root)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -334,7 +335,8 @@ class Scheduler:
             sample = result.sampled.get(request.request_id)
             if sample is not None:
                 request.append_output_token(sample.token_id)
-                extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+                extend_block_hashes(request.block_hashes, request.all_token_ids,
+                                    self.block_size, request.hash_root)
                 self._check_stop(request)
                 touched.append(request)
             elif request.request_id in result.pooled:  # an embedding is done: nothing follows

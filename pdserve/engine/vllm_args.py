@@ -79,6 +79,16 @@ def check_args(args: Any, resolved: ResolvedModel) -> None:
                          f"of the config, got {hf!r}")
 
 
+def refuse_unsupported(**options: Any) -> None:
+    """ValueError naming the first vLLM call argument given a value pdserve cannot honour
+    (None and empty values are fine: generic vLLM code passes them)."""
+    for name, value in options.items():
+        if value is not None and value != {}:
+            raise ValueError(f"{name}: not supported by pdserve (LoRA adapters, multimodal "
+                             f"inputs, tokenizer options and cache resets of running "
+                             f"requests are not implemented); got {str(value)[:60]!r}")
+
+
 def served_names(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     """vLLM's served_model_name (a name or a list of names) as a tuple; () when not set."""
     if value is None:

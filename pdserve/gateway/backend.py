@@ -161,9 +161,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams, priority: int = 0) -> DeltaStream:
+                       params: SamplingParams, priority: int = 0,
+                       cache_salt: str | None = None) -> DeltaStream:
         """Start a request (`priority`: vLLM's, lower first, under a priority scheduling
-        policy). Raises ValueError on bad input, BackendError if it cannot run."""
+        policy; `cache_salt`: vLLM's prefix-cache salt). Raises ValueError on bad input,
+        BackendError if it cannot run."""
 
     async def embed(self, request_id: str, prompt_ids: list[int],
                     pooling: PoolingParams) -> list[float]:

@@ -20,8 +20,10 @@ class BeamSearchStream(DeltaStream):
     """The DeltaStream of one prompt's beam search."""
 
     def __init__(self, backend: Backend, request_id: str, prompt_ids: list[int],
-                 params: BeamSearchParams, eos_token_id: int | None, decode, priority: int = 0):
+                 params: BeamSearchParams, eos_token_id: int | None, decode, priority: int = 0,
+                 cache_salt: str | None = None):
         self.backend, self.request_id, self.priority = backend, request_id, priority
+        self.cache_salt = cache_salt
         self.search = BeamSearch(prompt_ids, params, eos_token_id)
         self.decode = decode
         self.step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
@@ -32,7 +34,8 @@ class BeamSearchStream(DeltaStream):
 
     async def _candidates(self, tokens: list[int]) -> dict[int, float]:
         stream = await self.backend.generate(f"{self.request_id}-beam{next(self._ids)}",
-                                             tokens, self.step, self.priority)
+                                             tokens, self.step, self.priority,
+                                             self.cache_salt)
         self._open.append(stream)
         try:
             candidates: dict[int, float] = {}
@@ -68,9 +71,9 @@ class BeamSearchStream(DeltaStream):
 
 
 def beam_generation(ctx, request_id: str, requests: list[tuple[list[int], BeamSearchParams]],
-                    priority: int = 0) -> Generation:
+                    priority: int = 0, cache_salt: str | None = None) -> Generation:
     """A Generation whose choices are each prompt's best beams (beam_width per prompt)."""
     streams = [BeamSearchStream(ctx.backend, f"{request_id}-{i}", ids, params,
-                                ctx.tokenizer.eos_token_id, ctx.decode, priority)
+                                ctx.tokenizer.eos_token_id, ctx.decode, priority, cache_salt)
                for i, (ids, params) in enumerate(requests)]
     return Generation(streams, requests[0][1].beam_width, ctx.metrics, time.monotonic())

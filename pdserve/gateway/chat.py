@@ -66,9 +66,9 @@ class ChatRun:
     async def start(self) -> Generation:
         if self.req.use_beam_search:
             return beam_generation(self.ctx, self.id, [(self.prompt_ids, self.params)],
-                                   self.req.priority)
+                                   self.req.priority, self.req.cache_salt)
         return await Generation.start(self.ctx.backend, self.id, [(self.prompt_ids, self.params)],
-                                      self.ctx.metrics, self.req.priority)
+                                      self.ctx.metrics, self.req.priority, self.req.cache_salt)
 
     def _tools(self) -> ToolCallOutput | None:
         """A choice's tool-call reader; None when the request uses no tools."""

@@ -80,9 +80,10 @@ class CompletionRun:
 
     async def start(self) -> Generation:
         if self.req.use_beam_search:
-            return beam_generation(self.ctx, self.id, self.requests, self.req.priority)
+            return beam_generation(self.ctx, self.id, self.requests, self.req.priority,
+                                   self.req.cache_salt)
         return await Generation.start(self.ctx.backend, self.id, self.requests, self.ctx.metrics,
-                                      self.req.priority)
+                                      self.req.priority, self.req.cache_salt)
 
     async def respond(self, gen: Generation) -> dict:
         choices: dict[int, Choice] = {}

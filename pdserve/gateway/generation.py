@@ -37,14 +37,15 @@ class Generation:
     @classmethod
     async def start(cls, backend: Backend, request_id: str,
                     requests: list[tuple[str | list[int], SamplingParams]],
-                    metrics: GatewayMetrics, priority: int = 0) -> Generation:
+                    metrics: GatewayMetrics, priority: int = 0,
+                    cache_salt: str | None = None) -> Generation:
         """Start one backend request per (prompt, params); on an error abort those started."""
         arrival = time.monotonic()
         streams: list[DeltaStream] = []
         try:
             for i, (prompt, params) in enumerate(requests):
                 rid = request_id if len(requests) == 1 else f"{request_id}-{i}"
-                streams.append(await backend.generate(rid, prompt, params, priority))
+                streams.append(await backend.generate(rid, prompt, params, priority, cache_salt))
         except BaseException:
             for s in streams:
                 await s.aclose()

@@ -55,8 +55,12 @@ class LocalBackend(Backend):
         return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
 
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams, priority: int = 0) -> DeltaStream:
-        engine_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+                       params: SamplingParams, priority: int = 0,
+                       cache_salt: str | None = None) -> DeltaStream:
+        engine_prompt: dict = ({"prompt": prompt} if isinstance(prompt, str)
+                               else {"prompt_token_ids": list(prompt)})
+        if cache_salt is not None:
+            engine_prompt["cache_salt"] = cache_salt
         submit = functools.partial(self.loop.submit, request_id, engine_prompt, params,
                                    priority=priority)
         submitted = asyncio.get_running_loop().run_in_executor(self._calls, submit)

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from pdserve import untrusted_json
+from pdserve.block_hash import MAX_CACHE_SALT_CHARS
 from pdserve.beam_search import BeamSearchParams
 from pdserve.sampling_params import WIRE_LIMITS, SamplingParams
 
@@ -117,6 +118,8 @@ class _SamplingRequest(_Body):
     return_token_ids: bool | None = None  # vLLM: generated (and prompt) token ids in the answer
     use_beam_search: bool = False  # vLLM: the n best beams of a beam search (beam_stream.py)
     priority: int = 0  # vLLM: lower first, with --scheduling-policy priority (else only 0)
+    # vLLM: the prompt's prefix-cache blocks match only requests with the same salt
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     length_penalty: float = 1.0
     truncate_prompt_tokens: int | None = None  # vLLM: keep the last k prompt tokens (-1: all fit)
     # Structured outputs (constraints.py): one of these at most.
@@ -360,7 +363,7 @@ _PARAM_ALIASES = {"max_tokens", "min_tokens", "n", "temperature", "top_p", "top_
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
                   "stop_token_ids", "logprobs", "prompt_logprobs", "logit_bias",
                   "allowed_token_ids", "bad_words", "prompt", "prompt_token_ids",
-                  "truncate_prompt_tokens", "priority"}
+                  "truncate_prompt_tokens", "priority", "cache_salt"}
 
 
 def param_of(message: str) -> str | None:

@@ -97,11 +97,13 @@ class RouterBackend(Backend):
         return list(resp.embedding)
 
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams, priority: int = 0) -> DeltaStream:
+                       params: SamplingParams, priority: int = 0,
+                       cache_salt: str | None = None) -> DeltaStream:
         if priority:  # NOTE: the router and its instances schedule first come, first served
             raise ValueError(f"priority: {priority} is not supported through the router "
                              f"(only 0)")
-        req = router_pb2.GenerateRequest(request_id=request_id, sampling=params_to_proto(params))
+        req = router_pb2.GenerateRequest(request_id=request_id, sampling=params_to_proto(params),
+                                         cache_salt=cache_salt or "")
         if isinstance(prompt, str):
             req.text = prompt
         else:

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.block_hash import check_cache_salt
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2
 from pdserve.router.core import DOWN_CODES, RouterCore
 from pdserve.router.prompts import prompt_ids
@@ -92,7 +93,7 @@ class GenerateFlow:
     def _generate(self) -> Iterator[common_pb2.GenerateResponse]:
         prompt_ids, params = self._validate()
         try:
-            plan = self.core.planner.plan(prompt_ids, params.n)
+            plan = self.core.planner.plan(prompt_ids, params.n, self.request.cache_salt)
         except NoDecodeInstance as e:
             self._abort(Code.UNAVAILABLE, str(e))
         with self.core.planner.open_requests.holding(plan.decode.id):
@@ -115,6 +116,10 @@ class GenerateFlow:
             ids = params.truncate_prompt(ids, self.config.max_model_len or 1 << 62)
         except ValueError as e:
             self._abort(Code.INVALID_ARGUMENT, f"sampling.{e}")
+        try:
+            check_cache_salt(self.request.cache_salt or None)
+        except ValueError as e:
+            self._abort(Code.INVALID_ARGUMENT, str(e))
         if self.log is not None:
             self.log.prompt_tokens = len(ids)
         self._check_caps(len(ids), params)
@@ -137,7 +142,8 @@ class GenerateFlow:
     def _prefill(self, plan: Plan, prompt_ids: list[int]) -> engine_pb2.PrefillResponse | None:
         """First token and KV handle from a prefill instance; None: prefill on D instead."""
         req = engine_pb2.PrefillRequest(request_id=self.wire_id, prompt_token_ids=prompt_ids,
-                                        sampling=self.request.sampling)
+                                        sampling=self.request.sampling,
+                                        cache_salt=self.request.cache_salt)
         tried: set[str] = set()
         for _ in range(self.config.prefill_attempts):
             p = self.core.planner.pick_prefill(plan.request, plan.decode, tried)
@@ -211,7 +217,8 @@ class GenerateFlow:
         elsewhere; once it has, a dead D's request migrates: another D recomputes the prompt
         and the tokens the client has, and the stream goes on where it stopped."""
         req = engine_pb2.DecodeRequest(request_id=self.wire_id, prompt_token_ids=prompt_ids,
-                                       sampling=self.request.sampling)
+                                       sampling=self.request.sampling,
+                                       cache_salt=self.request.cache_salt)
         # A continuation (of P's prefill, or migrated) does not recompute the prompt's
         # logprobs: the client has them from the first message.
         continuing = common_pb2.SamplingParams()
@@ -260,6 +267,7 @@ class GenerateFlow:
                         sent = relay.sent
                         req, connector = sent.decode_request(self.wire_id, prompt_ids,
                                                              continuing), ""
+                        req.cache_salt = self.request.cache_salt
                 if retry is not None:
                     logger.warning("request %s: decode %s is %s %s, continuing on %s", self.rid,
                                    decode.id, "full" if full else "down", "mid-stream"

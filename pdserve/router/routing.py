@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.block_hash import hash_blocks
+from pdserve.block_hash import hash_blocks, root_hash
 from pdserve.router.open_requests import OpenRequests
 from pdserve.router.picker import PickerConfig, WeightedPicker
 from pdserve.router.registry import Instance, Registry
@@ -109,10 +109,10 @@ class Planner:
         self.prefill_picker = WeightedPicker.from_config(config.picker)
         self.pooling_picker = WeightedPicker.from_config(config.picker)
 
-    def plan(self, prompt_ids: Sequence[int], n: int) -> Plan:
+    def plan(self, prompt_ids: Sequence[int], n: int, cache_salt: str = "") -> Plan:
         """Pick D; disaggregate when n == 1, enough of the prompt is uncached on D and D runs
         enough requests already."""
-        request = self.routing_request(prompt_ids)
+        request = self.routing_request(prompt_ids, cache_salt)
         decode = self.pick_decode(request)
         if decode is None:
             raise NoDecodeInstance("no healthy decode instance")
@@ -128,9 +128,10 @@ class Planner:
         reported = decode.view.running_requests + decode.view.queued_requests
         return max(reported, self.open_requests.count(decode.id))
 
-    def routing_request(self, prompt_ids: Sequence[int]) -> RoutingRequest:
-        """What scorers see of a prompt: its length, its blocks, who holds their prefix."""
-        hashes = hash_blocks(prompt_ids, self.registry.block_size())
+    def routing_request(self, prompt_ids: Sequence[int], cache_salt: str = "") -> RoutingRequest:
+        """What scorers see of a prompt: its length, its blocks (hashed from the salt's root,
+        as the instances hash them), who holds their prefix."""
+        hashes = hash_blocks(prompt_ids, self.registry.block_size(), root_hash(cache_salt))
         matches = dict(self.prefix_matches(hashes)) if hashes else {}
         return RoutingRequest(len(prompt_ids), len(hashes), matches)
 

@@ -140,3 +140,12 @@ def prompt_logprobs_to_proto(entries: list[dict[int, Logprob] | None] | None,
     if entries is None:
         return []
     return [logprobs_to_proto(e, t) for e, t in zip(entries, prompt_ids)]
+
+
+def prompt_from_proto(msg) -> dict:
+    """A Prefill or Decode request's prompt as the engine takes it (a TokensPrompt, with the
+    request's cache_salt when it has one: the engine checks it)."""
+    prompt: dict = {"prompt_token_ids": list(msg.prompt_token_ids)}
+    if msg.cache_salt:
+        prompt["cache_salt"] = msg.cache_salt
+    return prompt

@@ -23,7 +23,11 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
 
     def Decode(self, request, context):
         # convert imports the KV connector, hence torch: not at import time (pdserve --help)
-        from pdserve.services.convert import handle_from_proto, params_from_proto
+        from pdserve.services.convert import (
+            handle_from_proto,
+            params_from_proto,
+            prompt_from_proto,
+        )
 
         try:
             rid = check_request_id(request.request_id, MAX_WIRE_REQUEST_ID_CHARS) or \
@@ -36,7 +40,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 kv["remote_handle"] = handle_from_proto(request.handle).to_dict()
             if request.output_token_ids:
                 kv["output_token_ids"] = list(request.output_token_ids)
-            stream = self.loop.submit(rid, {"prompt_token_ids": list(request.prompt_token_ids)},
+            stream = self.loop.submit(rid, prompt_from_proto(request),
                                       params, kv or None, output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

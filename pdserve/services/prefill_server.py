@@ -23,7 +23,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self.loop = instance.loop
 
     def Prefill(self, request, context):
-        from pdserve.services.convert import params_from_proto
+        from pdserve.services.convert import params_from_proto, prompt_from_proto
 
         try:
             rid = check_request_id(request.request_id, MAX_WIRE_REQUEST_ID_CHARS) or \
@@ -37,7 +37,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             first_only = params.clone()
             first_only.max_tokens = 1
             first_only.min_tokens = min(params.min_tokens, 1)
-            stream = self.loop.submit(rid, {"prompt_token_ids": list(request.prompt_token_ids)},
+            stream = self.loop.submit(rid, prompt_from_proto(request),
                                       first_only, {"do_remote_decode": True},
                                       output_kind=RequestOutputKind.FINAL_ONLY)
         except ValueError as e:

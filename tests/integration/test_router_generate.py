@@ -104,6 +104,34 @@ def test_prompt_cached_on_decode_skips_prefill(clusters):
     assert wait_for(decode_only, timeout=10, interval=0.2)
 
 
+def test_cache_salt_is_hashed_alike_by_router_and_instances(clusters, llm):
+    """A salted prompt's blocks reach the index under the salt's hashes, which the router
+    computes too (the prompt then stays on D); another salt matches nothing anywhere."""
+    cluster = clusters("shm")
+    ids = list(range(4600, 4640))
+    want = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3,
+                        ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+    def salted(salt):
+        request = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=ids), cache_salt=salt,
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        msgs = list(router(cluster).Generate(request, timeout=30))
+        assert tokens(msgs) == want
+        return msgs[-1]
+
+    first = salted("tenant-a")
+    assert first.served_by.disaggregated and first.usage.cached_tokens == 0
+    assert wait_for(lambda: (lambda last: not last.served_by.disaggregated
+                             and last.usage.cached_tokens >= 32)(salted("tenant-a")),
+                    timeout=10, interval=0.2)
+    other = salted("tenant-b")
+    assert other.served_by.disaggregated and other.usage.cached_tokens == 0
+    with pytest.raises(grpc.RpcError) as e:
+        salted("s" * 257)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in e.value.details()
+
+
 def test_first_token_finishes_without_decode(clusters):
     cluster = clusters("shm")
     msgs = generate(cluster, list(range(4100, 4140)), temperature=0, max_tokens=1)

@@ -87,12 +87,14 @@ class FakeBackend(Backend):
         self.stats_error = False
         self.served_by = None
         self.started = []
+        self.cache_salts = []
         self.aborted = []
 
-    async def generate(self, request_id, prompt, params, priority=0):
+    async def generate(self, request_id, prompt, params, priority=0, cache_salt=None):
         if self.fail_start is not None:
             raise self.fail_start
         self.started.append((request_id, list(prompt), params))
+        self.cache_salts.append(cache_salt)
         return FakeStream(self, request_id, prompt, params)
 
     async def abort(self, request_id):

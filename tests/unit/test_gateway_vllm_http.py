@@ -152,3 +152,17 @@ def test_openapi_documents_tokenize_bodies(client):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert ref["schema"]["$ref"].endswith(name)
     assert "tokens" in doc["components"]["schemas"]["DetokenizeRequest"]["properties"]
+
+
+def test_cache_salt_reaches_the_backend_and_a_bad_one_is_a_400(client, backend):
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        r = client.post(path, json={"model": "fake-model", "cache_salt": "tenant-a", **body})
+        assert r.status_code == 200, r.text
+        assert backend.cache_salts[-1] == "tenant-a"
+        assert client.post(path, json={"model": "fake-model", **body}).status_code == 200
+        assert backend.cache_salts[-1] is None
+        for bad in ("", "s" * 257, 5):
+            r = client.post(path, json={"model": "fake-model", "cache_salt": bad, **body})
+            assert error(r, 400)["param"] == "cache_salt"

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"l\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xc3\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x12\n\nfirst_text\x18\x02 \x01(\t\x12\x34\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\x12\x15\n\rfirst_logprob\x18\x04 \x01(\x01\x12$\n\x06handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x03\x12\x13\n\x0binstance_id\x18\t \x01(\t\x12\x35\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xab\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\"n\n\x12\x45mbedPromptRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x07pooling\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.PoolingParams2\x85\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x34\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x10.pdserve.v1.Load\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\xc1\x01\n\x06\x44\x65\x63ode\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x34\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x10.pdserve.v1.Load\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2M\n\x07Pooling\x12\x42\n\x05\x45mbed\x12\x1e.pdserve.v1.EmbedPromptRequest\x1a\x19.pdserve.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x80\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xc3\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x12\n\nfirst_text\x18\x02 \x01(\t\x12\x34\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\x12\x15\n\rfirst_logprob\x18\x04 \x01(\x01\x12$\n\x06handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x03\x12\x13\n\x0binstance_id\x18\t \x01(\t\x12\x35\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xbf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"n\n\x12\x45mbedPromptRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x07pooling\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.PoolingParams2\x85\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x34\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x10.pdserve.v1.Load\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\xc1\x01\n\x06\x44\x65\x63ode\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x34\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x10.pdserve.v1.Load\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2M\n\x07Pooling\x12\x42\n\x05\x45mbed\x12\x1e.pdserve.v1.EmbedPromptRequest\x1a\x19.pdserve.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=64
-  _globals['_PREFILLREQUEST']._serialized_end=172
-  _globals['_PREFILLRESPONSE']._serialized_start=175
-  _globals['_PREFILLRESPONSE']._serialized_end=498
-  _globals['_RELEASEREQUEST']._serialized_start=500
-  _globals['_RELEASEREQUEST']._serialized_end=536
-  _globals['_RELEASERESPONSE']._serialized_start=538
-  _globals['_RELEASERESPONSE']._serialized_end=573
-  _globals['_DECODEREQUEST']._serialized_start=576
-  _globals['_DECODEREQUEST']._serialized_end=747
-  _globals['_EMBEDPROMPTREQUEST']._serialized_start=749
-  _globals['_EMBEDPROMPTREQUEST']._serialized_end=859
-  _globals['_PREFILL']._serialized_start=862
-  _globals['_PREFILL']._serialized_end=1123
-  _globals['_DECODE']._serialized_start=1126
-  _globals['_DECODE']._serialized_end=1319
-  _globals['_POOLING']._serialized_start=1321
-  _globals['_POOLING']._serialized_end=1398
+  _globals['_PREFILLREQUEST']._serialized_start=65
+  _globals['_PREFILLREQUEST']._serialized_end=193
+  _globals['_PREFILLRESPONSE']._serialized_start=196
+  _globals['_PREFILLRESPONSE']._serialized_end=519
+  _globals['_RELEASEREQUEST']._serialized_start=521
+  _globals['_RELEASEREQUEST']._serialized_end=557
+  _globals['_RELEASERESPONSE']._serialized_start=559
+  _globals['_RELEASERESPONSE']._serialized_end=594
+  _globals['_DECODEREQUEST']._serialized_start=597
+  _globals['_DECODEREQUEST']._serialized_end=788
+  _globals['_EMBEDPROMPTREQUEST']._serialized_start=790
+  _globals['_EMBEDPROMPTREQUEST']._serialized_end=900
+  _globals['_PREFILL']._serialized_start=903
+  _globals['_PREFILL']._serialized_end=1164
+  _globals['_DECODE']._serialized_start=1167
+  _globals['_DECODE']._serialized_end=1360
+  _globals['_POOLING']._serialized_start=1362
+  _globals['_POOLING']._serialized_end=1439
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"\x93\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x07pooling\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.PoolingParamsB\x08\n\x06prompt\"\'\n\x11HeartbeatResponse\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"\x16\n\x14ListInstancesRequest\"Y\n\x15ListInstancesResponse\x12#\n\tinstances\x18\x01 \x03(\x0b\x32\x10.pdserve.v1.Load\x12\x1b\n\x13prefix_index_errors\x18\x02 \x01(\x03\"a\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x03\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x42\x0e\n\x0c_parent_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x03\"\x12\n\x10\x41llBlocksCleared\"\x9a\x01\n\x07KVEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"x\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x12\x0e\n\x06medium\x18\x04 \x01(\t\x12#\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x13.pdserve.v1.KVEvent\"Y\n\x0fKVStateSnapshot\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x0e\n\x06medium\x18\x03 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x03\"*\n\x17PublishKVEventsResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x32\xc8\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x45mbed\x12\x18.pdserve.v1.EmbedRequest\x1a\x19.pdserve.v1.EmbedResponse\x12<\n\tHeartbeat\x12\x10.pdserve.v1.Load\x1a\x1d.pdserve.v1.HeartbeatResponse\x12T\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a!.pdserve.v1.ListInstancesResponse\x12P\n\x0fPublishKVEvents\x12\x18.pdserve.v1.KVEventBatch\x1a#.pdserve.v1.PublishKVEventsResponse\x12Q\n\rResyncKVState\x12\x1b.pdserve.v1.KVStateSnapshot\x1a#.pdserve.v1.PublishKVEventsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xac\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"\x93\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x07pooling\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.PoolingParamsB\x08\n\x06prompt\"\'\n\x11HeartbeatResponse\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"\x16\n\x14ListInstancesRequest\"Y\n\x15ListInstancesResponse\x12#\n\tinstances\x18\x01 \x03(\x0b\x32\x10.pdserve.v1.Load\x12\x1b\n\x13prefix_index_errors\x18\x02 \x01(\x03\"a\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x03\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x42\x0e\n\x0c_parent_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x03\"\x12\n\x10\x41llBlocksCleared\"\x9a\x01\n\x07KVEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"x\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x12\x0e\n\x06medium\x18\x04 \x01(\t\x12#\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x13.pdserve.v1.KVEvent\"Y\n\x0fKVStateSnapshot\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x0e\n\x06medium\x18\x03 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x03\"*\n\x17PublishKVEventsResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x32\xc8\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x45mbed\x12\x18.pdserve.v1.EmbedRequest\x1a\x19.pdserve.v1.EmbedResponse\x12<\n\tHeartbeat\x12\x10.pdserve.v1.Load\x1a\x1d.pdserve.v1.HeartbeatResponse\x12T\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a!.pdserve.v1.ListInstancesResponse\x12P\n\x0fPublishKVEvents\x12\x18.pdserve.v1.KVEventBatch\x1a#.pdserve.v1.PublishKVEventsResponse\x12Q\n\rResyncKVState\x12\x1b.pdserve.v1.KVStateSnapshot\x1a#.pdserve.v1.PublishKVEventsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=64
   _globals['_TOKENIDS']._serialized_end=87
   _globals['_GENERATEREQUEST']._serialized_start=90
-  _globals['_GENERATEREQUEST']._serialized_end=242
-  _globals['_EMBEDREQUEST']._serialized_start=245
-  _globals['_EMBEDREQUEST']._serialized_end=392
-  _globals['_HEARTBEATRESPONSE']._serialized_start=394
-  _globals['_HEARTBEATRESPONSE']._serialized_end=433
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=435
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=457
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=459
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=548
-  _globals['_BLOCKSTORED']._serialized_start=550
-  _globals['_BLOCKSTORED']._serialized_end=647
-  _globals['_BLOCKREMOVED']._serialized_start=649
-  _globals['_BLOCKREMOVED']._serialized_end=685
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=687
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=705
-  _globals['_KVEVENT']._serialized_start=708
-  _globals['_KVEVENT']._serialized_end=862
-  _globals['_KVEVENTBATCH']._serialized_start=864
-  _globals['_KVEVENTBATCH']._serialized_end=984
-  _globals['_KVSTATESNAPSHOT']._serialized_start=986
-  _globals['_KVSTATESNAPSHOT']._serialized_end=1075
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=1077
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=1119
-  _globals['_ROUTER']._serialized_start=1122
-  _globals['_ROUTER']._serialized_end=1578
+  _globals['_GENERATEREQUEST']._serialized_end=262
+  _globals['_EMBEDREQUEST']._serialized_start=265
+  _globals['_EMBEDREQUEST']._serialized_end=412
+  _globals['_HEARTBEATRESPONSE']._serialized_start=414
+  _globals['_HEARTBEATRESPONSE']._serialized_end=453
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=455
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=477
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=479
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=568
+  _globals['_BLOCKSTORED']._serialized_start=570
+  _globals['_BLOCKSTORED']._serialized_end=667
+  _globals['_BLOCKREMOVED']._serialized_start=669
+  _globals['_BLOCKREMOVED']._serialized_end=705
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=707
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=725
+  _globals['_KVEVENT']._serialized_start=728
+  _globals['_KVEVENT']._serialized_end=882
+  _globals['_KVEVENTBATCH']._serialized_start=884
+  _globals['_KVEVENTBATCH']._serialized_end=1004
+  _globals['_KVSTATESNAPSHOT']._serialized_start=1006
+  _globals['_KVSTATESNAPSHOT']._serialized_end=1095
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=1097
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=1139
+  _globals['_ROUTER']._serialized_start=1142
+  _globals['_ROUTER']._serialized_end=1598
 # @@protoc_insertion_point(module_scope)
