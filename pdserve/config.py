@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,8 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
+    # (SamplingParams field, value): the model's recommended settings (generation_defaults.py)
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
     tokenizer: TokenizerConfig | None = None  # None: the model's own, as is
     max_logprobs: int = 20  # per position, for logprobs and prompt_logprobs; -1: no cap
     served_model_name: tuple[str, ...] = ()  # names the API answers to; () means `model`

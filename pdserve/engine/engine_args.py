@@ -66,6 +66,8 @@ class EngineArgs:
     swap_space: float | None = None
     cpu_offload_gb: float = 0
     disable_log_stats: bool = False
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def create_tokenizer_config(self, resolved: ResolvedModel | None = None) -> TokenizerConfig:
         """The tokenizer to load: `tokenizer` if given, else the model's (`resolved`)."""
@@ -82,6 +84,7 @@ class EngineArgs:
         """Resolve the model and check every option: the engine's frozen configuration."""
         from pdserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
                                     SchedulerConfig)
+        from pdserve.engine.generation_defaults import sampling_defaults
 
         resolved = resolve_model(self.model)
         vllm_args.check_args(self, resolved)
@@ -96,7 +99,9 @@ class EngineArgs:
             dtype=ModelConfig.resolve_dtype(self.dtype, arch, device.device),
             max_model_len=max_len, seed=self.seed,
             tokenizer=self.create_tokenizer_config(resolved), max_logprobs=self.max_logprobs,
-            served_model_name=vllm_args.served_names(self.served_model_name))
+            served_model_name=vllm_args.served_names(self.served_model_name),
+            sampling_defaults=sampling_defaults(resolved, self.generation_config,
+                                                self.override_generation_config))
         cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization, self.enable_prefix_caching,
                             self.kv_cache_memory_fraction, self.kv_cache_prefault)
@@ -153,6 +158,7 @@ _CLI_KINDS: dict[str, dict[str, Any]] = {
     "str | list[str] | None": {"nargs": "+", "metavar": "NAME"},
     "HfOverrides | None": {"type": _json, "metavar": "JSON"},
     "int | dict | None": {"type": _json, "metavar": "LEVEL|JSON"},
+    "dict | None": {"type": _json, "metavar": "JSON"},
 }
 # The values a choice field takes (validated by the config with a ValueError naming it).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -212,6 +218,10 @@ _HELP = {
     "max_logprobs": "the most logprobs / prompt_logprobs a request may ask for (-1: no cap)",
     "served_model_name": "the model name(s) the API answers to; the first one is reported",
     "hf_overrides": "JSON of config attributes overriding the model's config",
+    "generation_config": "where requests' default sampling settings come from: auto (the "
+                         "model's generation_config.json), vllm (none), or a folder",
+    "override_generation_config": "JSON of generation config fields set on top, e.g. "
+                                  "{\"temperature\": 0.5}",
     "quantization": "none, or gguf for a .gguf model (dequantized when loaded)",
     "tensor_parallel_size": "only 1 is supported",
     "pipeline_parallel_size": "only 1 is supported",

@@ -43,7 +43,9 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams()
+        """SamplingParams with the model's recommended settings (its generation config, as
+        vLLM reads it), else SamplingParams()."""
+        return SamplingParams(**dict(self.llm_engine.config.model.sampling_defaults))
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: UseTqdm = True, lora_request: Any = None,

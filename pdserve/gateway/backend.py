@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import SamplingParams
@@ -117,6 +118,9 @@ class ModelInfo:
     root: str
     max_model_len: int
     max_logprobs: int = 20  # the most logprobs a request may ask for (-1: no cap)
+    # (SamplingParams field, value): the model's recommended settings, for requests that
+    # leave them unset (engine/generation_defaults.py)
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

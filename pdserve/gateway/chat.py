@@ -55,7 +55,8 @@ class ChatRun:
             self.params = req.beam_search_params(
                 max_tokens, (req.top_logprobs or 0) if req.logprobs else None, ctx.max_logprobs)
         else:
-            self.params = req.sampling_params(max_tokens, ctx.max_logprobs)
+            self.params = req.sampling_params(max_tokens, ctx.max_logprobs,
+                                              ctx.sampling_defaults)
         self.k = req.top_logprobs or 0
         if req.prompt_logprobs is not None and not ctx.backend.supports_prompt_logprobs:
             raise bad_request("prompt_logprobs: not available from this backend",

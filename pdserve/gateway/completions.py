@@ -48,7 +48,7 @@ class CompletionRun:
                 for ids in self.prompt_ids]
         else:
             self.requests = [(ids, req.sampling_params(ctx.max_tokens(len(ids), req.max_tokens),
-                                                       ctx.max_logprobs))
+                                                       ctx.max_logprobs, ctx.sampling_defaults))
                              for ids in self.prompt_ids]
         if not ctx.backend.supports_prompt_logprobs:
             if req.prompt_logprobs is not None:

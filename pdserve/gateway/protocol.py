@@ -137,15 +137,17 @@ class _SamplingRequest(_Body):
         return self
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
-                  prompt_logprobs: int | None = None,
-                  tool_schema: dict | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, tool_schema: dict | None = None,
+                  defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the model's recommended settings, for the optional fields left unset."""
         from pdserve.gateway.constraints import requested_constraint
 
         structured = requested_constraint(self, tool_schema)
-        optional = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
-                                      ("top_k", self.top_k), ("min_p", self.min_p),
-                                      ("repetition_penalty", self.repetition_penalty))
-                    if v is not None}
+        given = (("temperature", self.temperature), ("top_p", self.top_p),
+                 ("top_k", self.top_k), ("min_p", self.min_p),
+                 ("repetition_penalty", self.repetition_penalty))
+        optional = {k: v if v is not None else (defaults or {}).get(k) for k, v in given}
+        optional = {k: v for k, v in optional.items() if v is not None}
         try:
             params = SamplingParams(
                 n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
@@ -231,9 +233,10 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("prompt: must not be empty", "prompt")
         return prompts
 
-    def sampling_params(self, max_tokens: int | None,
-                        max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
-        """The request's SamplingParams; APIError 400 naming the field when one is bad."""
+    def sampling_params(self, max_tokens: int | None, max_logprobs: int = MAX_LOGPROBS,
+                        defaults: dict | None = None) -> SamplingParams:
+        """The request's SamplingParams (`defaults` for the optional settings it leaves
+        unset); APIError 400 naming the field when one is bad."""
         _check_logprobs("logprobs", self.logprobs, max_logprobs)
         _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
         if self.prompt_logprobs is not None and self.stream:
@@ -247,7 +250,7 @@ class CompletionRequest(_SamplingRequest):
         asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
                  if k is not None]
         prompt_logprobs = max(asked) if asked else None
-        return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling(max_tokens, self.logprobs, prompt_logprobs, defaults=defaults)
 
 
 class FunctionCall(_Body):
@@ -311,9 +314,10 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: TemplateKwargs = None
     prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's extra field
 
-    def sampling_params(self, max_tokens: int | None,
-                        max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
-        """The request's SamplingParams; APIError 400 naming the field when one is bad."""
+    def sampling_params(self, max_tokens: int | None, max_logprobs: int = MAX_LOGPROBS,
+                        defaults: dict | None = None) -> SamplingParams:
+        """The request's SamplingParams (`defaults` for the optional settings it leaves
+        unset); APIError 400 naming the field when one is bad."""
         _check_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
         _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
@@ -323,7 +327,7 @@ class ChatCompletionRequest(_SamplingRequest):
                               "prompt_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs, self.prompt_logprobs,
-                              tool_schema=self.tool_schema)
+                              tool_schema=self.tool_schema, defaults=defaults)
 
     @property
     def effective_tool_choice(self) -> str | dict:

@@ -59,8 +59,11 @@ def _add_token_ids(msg: router_pb2.TokenIds, ids: list[int]) -> None:
 class RouterBackend(Backend):
     supports_prompt_logprobs = True  # on the router's first message
     def __init__(self, address: str, model: str, max_model_len: int | None = None,
-                 timeout_s: float | None = None, credentials: Credentials | None = None):
-        """`model`: the name or path the instances serve (its tokenizer and context length)."""
+                 timeout_s: float | None = None, credentials: Credentials | None = None,
+                 sampling_defaults: tuple = ()):
+        """`model`: the name or path the instances serve (its tokenizer and context length);
+        `sampling_defaults`: its recommended settings, as ModelInfo's."""
+        self.sampling_defaults = tuple(sampling_defaults)
         if max_model_len is None:
             from pdserve.models.loader import load_arch, resolve_model
 
@@ -142,7 +145,8 @@ class RouterBackend(Backend):
         return any(load.role in ("decode", "colocated") for load in loads)
 
     def models(self) -> list[ModelInfo]:
-        return [ModelInfo(self.model, self.model, self.max_model_len)]
+        return [ModelInfo(self.model, self.model, self.max_model_len,
+                          sampling_defaults=self.sampling_defaults)]
 
     async def stats(self) -> BackendStats:
         listed = await self._list_response()

@@ -23,6 +23,8 @@ class ServingContext:
     metrics: GatewayMetrics
     max_logprobs: int = 20  # the most logprobs a request may ask for (-1: no cap)
     tool_parser: str | None = None  # tool_choice "auto" reads calls with it (None: refused)
+    # The model's recommended sampling settings, for requests that leave them unset.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, as the engine's input processor makes them."""
@@ -47,14 +49,15 @@ class ServingContext:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def max_tokens(self, prompt_len: int, requested: int | None, what: str = "prompt") -> int:
-        """`requested`, checked against the room left in the context; the room if None."""
+        """`requested`, checked against the room left in the context; if None, the room, or
+        the model's recommended max_tokens when that is less (as vLLM)."""
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise bad_request(
                 f"{what}: {prompt_len} tokens leave no room to generate within this model's "
                 f"maximum context length of {self.max_model_len} tokens", what)
         if requested is None:
-            return room
+            return min(room, self.sampling_defaults.get("max_tokens", room))
         if isinstance(requested, int) and requested > room:
             raise bad_request(
                 f"max_tokens: this model's maximum context length is {self.max_model_len} "

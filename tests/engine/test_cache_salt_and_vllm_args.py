@@ -113,3 +113,39 @@ def test_a_cache_smaller_than_max_model_len_says_so(tiny_model_dir, caplog):
                for r in caplog.records if r.levelname == "WARNING")
     with pytest.raises(ValueError, match="max_model_len=256"):
         llm.generate({"prompt_token_ids": list(range(100, 400))}, GREEDY, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def recommending_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a generation config that recommends sampling settings."""
+    from transformers import GenerationConfig
+
+    path = tmp_path_factory.mktemp("recommending")
+    for f in tiny_model_dir.iterdir():
+        if f.name != "generation_config.json":
+            (path / f.name).symlink_to(f)
+    GenerationConfig(temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=7,
+                     do_sample=True).save_pretrained(path)
+    return path
+
+
+def test_default_sampling_params_come_from_the_generation_config(recommending_model):
+    """As vLLM's generation_config='auto': the model's settings are the defaults; 'vllm'
+    ignores them; override_generation_config sets fields on top; a bad one names itself."""
+    llm = LLM(str(recommending_model), kv_cache_memory_bytes=4 << 20)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == \
+        (0.6, 0.9, 20, 7)
+    [out] = llm.generate({"prompt_token_ids": IDS}, use_tqdm=False)
+    assert 0 < len(out.outputs[0].token_ids) <= 7
+    plain = LLM(str(recommending_model), kv_cache_memory_bytes=4 << 20,
+                generation_config="vllm", override_generation_config={"temperature": 0.3})
+    params = plain.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == \
+        (0.3, 1.0, 0, 16)
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(str(recommending_model), kv_cache_memory_bytes=4 << 20,
+            override_generation_config={"top_p": 7.0})
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(str(recommending_model), kv_cache_memory_bytes=4 << 20,
+            generation_config=str(recommending_model / "missing"))

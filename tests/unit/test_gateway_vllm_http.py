@@ -166,3 +166,28 @@ def test_cache_salt_reaches_the_backend_and_a_bad_one_is_a_400(client, backend):
         for bad in ("", "s" * 257, 5):
             r = client.post(path, json={"model": "fake-model", "cache_salt": bad, **body})
             assert error(r, 400)["param"] == "cache_salt"
+
+
+def test_the_models_recommended_settings_fill_what_a_request_leaves_unset():
+    """As vLLM's server: the generation config's settings are defaults, a request's own value
+    wins, and its max_new_tokens caps an unset max_tokens."""
+    from pdserve.gateway.backend import ModelInfo
+
+    class Recommending(FakeBackend):
+        def models(self):
+            return [ModelInfo("fake", "/models/fake", MAX_MODEL_LEN, sampling_defaults=(
+                ("temperature", 0.6), ("top_k", 20), ("max_tokens", 5)))]
+
+    backend = Recommending()
+    app = build_app(backend, "fake-model", API_KEY, tokenizer=SizedCharTokenizer(),
+                    close_backend=False)
+    with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+        assert c.post("/v1/chat/completions", json=chat).status_code == 200
+        params = backend.started[-1][2]
+        assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 20, 5)
+        r = c.post("/v1/completions", json={"model": "fake-model", "prompt": "hi",
+                                            "temperature": 0.1, "max_tokens": 9})
+        assert r.status_code == 200, r.text
+        params = backend.started[-1][2]
+        assert (params.temperature, params.top_k, params.max_tokens) == (0.1, 20, 9)
