@@ -2,7 +2,10 @@
 
 NOTE: gRPC's default reconnect backoff grows to two minutes; an instance restarted on the same
 address must be reachable again within a poll or two, so the backoff is capped at one second.
-No keepalive pings: servers refuse frequent ones, and every call here has a deadline.
+gRPC's `grpc.min_reconnect_backoff_ms` is left alone: it is also the shortest time a connection
+attempt may take (20 s by default), and a short one made a loaded instance that answers its
+handshake late unreachable for good. No keepalive pings: servers refuse frequent ones, and
+every call here has a deadline.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from pdserve.services.auth import Credentials, internal_channel
 
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 

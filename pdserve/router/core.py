@@ -3,9 +3,10 @@ channels, tokenizer, and the calls a flow makes besides its own (probes, aborts,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2
 from pdserve.router.channels import ChannelPool
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.routing import Planner, RouterConfig
+from pdserve.router.stream_watch import StreamWatch
 
 logger = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -32,10 +34,16 @@ class RouterCore:
     planner: Planner
     channels: ChannelPool
     tokenizer: Any
-    # Release/Abort calls that nobody waits for (a dropped gRPC future would cancel itself).
-    background: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="router-bg"))
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Abort/Release calls that nobody waits for (a dropped gRPC future would cancel itself).
+    _in_flight: set = field(default_factory=set)
+    _unwaited_lock: threading.Lock = field(default_factory=threading.Lock)
+    _closed: bool = False
+    stream_watch: StreamWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        # A decode stream silent as long as a prefill may run unprobed has its D probed.
+        self.stream_watch = StreamWatch(self.config.prefill_timeout_s, self.is_down)
 
     def encode(self, text: str) -> list[int]:
         """Same call as the engine's input processor, so both see the same ids."""
@@ -43,22 +51,38 @@ class RouterCore:
             return list(self.tokenizer.encode(text))
 
     def forget_on_prefill(self, address: str, request_id: str) -> None:
-        """Best effort, in the background: abort a prefill and release its lease."""
+        """Best effort, without waiting: abort a prefill, then release its lease. Calls are
+        chained futures, so one frozen prefill instance holds up no other's releases."""
         stub, timeout = self.channels.prefill(address), self.config.control_timeout_s
 
-        def run():
-            for name, call, msg in (
-                    ("abort", stub.Abort, common_pb2.AbortRequest(request_id=request_id)),
-                    ("release", stub.Release, engine_pb2.ReleaseRequest(request_id=request_id))):
-                try:
-                    call(msg, timeout=timeout)
-                except grpc.RpcError as e:
-                    logger.info("%s of %s at %s: %s", name, request_id, address, e.code().name)
+        def release() -> None:
+            with contextlib.suppress(ValueError):  # the channel closed: the lease expires
+                self._unwaited("release", stub.Release.future(
+                    engine_pb2.ReleaseRequest(request_id=request_id), timeout=timeout),
+                    request_id, address)
 
-        try:
-            self.background.submit(run)
-        except RuntimeError:  # shutting down: the lease expires by itself
-            pass
+        with contextlib.suppress(ValueError):
+            self._unwaited("abort", stub.Abort.future(
+                common_pb2.AbortRequest(request_id=request_id), timeout=timeout),
+                request_id, address, then=release)
+
+    def _unwaited(self, name: str, future: Any, request_id: str, address: str,
+                  then: Callable[[], None] | None = None) -> None:
+        """Keep `future` referenced until it is done (a gRPC future dropped early cancels
+        its call), log a failure, then start `then`."""
+        with self._unwaited_lock:
+            self._in_flight.add(future)
+
+        def done(f: Any) -> None:
+            with self._unwaited_lock:
+                self._in_flight.discard(f)
+            if not f.cancelled() and f.exception() is not None:
+                logger.info("%s of %s at %s: %s", name, request_id, address,
+                            f.exception().code().name)
+            if then is not None and not self._closed:
+                then()
+
+        future.add_done_callback(done)
 
     def is_down(self, instance: Instance, role: str = "decode") -> bool:
         """True when an instance does not answer a probe (GetLoad, never behind a step)."""
@@ -71,5 +95,6 @@ class RouterCore:
         return False
 
     def close(self) -> None:
-        self.background.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
+        self.stream_watch.close()
         self.channels.close()

@@ -239,13 +239,16 @@ class GenerateFlow:
             if first is None and not self.served.migrations:
                 self.served.prefill_instance = decode.id
             relay = Relay(self.rid, prompt_ids, params.n, self.served, sent, cached)
+            watch = None
             try:
                 stub = self.core.channels.decode(decode.address)
                 call = self._call(stub.Decode, req, timeout=self._remaining())
-                for msg in call:
-                    out = relay.forward(msg)
-                    if out is not None:
-                        yield out
+                with self.core.stream_watch.watching(call, decode) as watch:
+                    for msg in call:
+                        watch.seen()
+                        out = relay.forward(msg)
+                        if out is not None:
+                            yield out
             except BrokenDecodeStream as e:
                 call.cancel()
                 self._abort(Code.UNAVAILABLE, f"decode instance {decode.id} sent {e}")
@@ -254,7 +257,8 @@ class GenerateFlow:
                 if e.code() == Code.INVALID_ARGUMENT and not relay.received:
                     self._abort(Code.INVALID_ARGUMENT, e.details())
                 full = e.code() == Code.RESOURCE_EXHAUSTED  # busy, not down: try another
-                down = not full and self.core.is_down(decode)
+                down = not full and (watch is not None and watch.dead
+                                     or self.core.is_down(decode))
                 if down:
                     self.core.registry.mark_down(decode.id)
                 retry = None

@@ -138,7 +138,12 @@ class Registry:
             if old is not None:
                 inst = replace(inst, static=inst.static or old.static,
                                last_seen=max(old.last_seen, seen_at))
-                if old.down_since is not None and seen_at < old.down_since:
+                if old.static and not static:
+                    # A heartbeat of an instance the router polls: the operator's address and
+                    # role stand, and only a poll (the router reaching it) clears a down mark.
+                    inst = replace(inst, down_since=old.down_since, view=replace(
+                        inst.view, address=old.address, role=old.view.role))
+                elif old.down_since is not None and seen_at < old.down_since:
                     inst = replace(inst, down_since=old.down_since)
             self._table[inst.id] = inst
             self._forget_lapsed(now)

@@ -39,9 +39,10 @@ class RouterConfig:
     # Times a request whose decode instance died mid-stream moves to another one, continuing
     # from the prompt plus the tokens the client has (n = 1 only).
     max_migrations: int = 2
-    # A Prefill call that has not answered after this long has its instance probed (GetLoad,
-    # which never waits for a model step): an answer means slow, not dead, and the wait goes
-    # on, up to the request's own deadline; no answer means dead: try another instance.
+    # A Prefill call that has not answered after this long, or a Decode stream that has sent
+    # nothing for this long, has its instance probed (GetLoad, which never waits for a model
+    # step): an answer means slow, not dead, and the wait goes on, up to the request's own
+    # deadline; no answer means dead: try another instance (or migrate, router/stream_watch).
     prefill_timeout_s: float = 30.0
     request_timeout_s: float = 3600.0  # a whole request, when the client set no deadline
     control_timeout_s: float = 2.0  # Release / Abort / probe calls

@@ -172,8 +172,9 @@ def add_cli(subparsers) -> None:
                         "(0: however few)")
     p.add_argument("--prefill-attempts", type=int, default=RouterConfig.prefill_attempts)
     p.add_argument("--prefill-timeout-s", type=float, default=RouterConfig.prefill_timeout_s,
-                   help="how often a running prefill's instance is probed for liveness; a "
-                        "live instance is waited for up to the request's deadline")
+                   help="how often a running prefill's instance, or that of a decode stream "
+                        "silent this long, is probed for liveness; a live instance is waited "
+                        "for up to the request's deadline, a dead one's requests go elsewhere")
     p.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
                    help="times a request whose decode instance dies mid-stream continues on "
                         "another one (n = 1 requests)")

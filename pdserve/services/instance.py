@@ -49,6 +49,8 @@ class Instance:
         self.instance_id = check_instance_id(instance_id or f"{role}-{uuid.uuid4().hex[:8]}",
                                              "--instance-id")
         self.channels = ChannelPool(credentials)
+        self._lock = threading.Lock()
+        self._releases: set = set()  # Release calls in flight (decode side)
         self.server = GrpcServer(host, port, max_requests_in_flight, LONG_METHODS,
                                  credentials=credentials)
         self.address = self.server.address
@@ -87,14 +89,23 @@ class Instance:
 
     def _release_remote(self, handle: KVHandle) -> None:
         """Decode side: tell the prefill instance its blocks were read (best effort: its
-        lease expires anyway)."""
+        lease expires anyway). Not waited for: a frozen prefill instance must not hold up the
+        KV loads of other requests, which run on the same threads."""
         if not handle.release_address:
             return
-        try:
-            self.channels.prefill(handle.release_address).Release(engine_pb2.ReleaseRequest(request_id=handle.request_id), timeout=2)
-        except grpc.RpcError as e:
-            logger.warning("release of %s at %s failed: %s", handle.request_id,
-                           handle.release_address, e.code())
+        future = self.channels.prefill(handle.release_address).Release.future(
+            engine_pb2.ReleaseRequest(request_id=handle.request_id), timeout=2)
+        with self._lock:
+            self._releases.add(future)  # NOTE: a gRPC future dropped early cancels its call
+
+        def done(f) -> None:
+            with self._lock:
+                self._releases.discard(f)
+            if not f.cancelled() and f.exception() is not None:
+                logger.warning("release of %s at %s failed: %s", handle.request_id,
+                               handle.release_address, f.exception().code())
+
+        future.add_done_callback(done)
 
     def _engine_failed(self, error: Exception) -> None:
         """The engine loop died: stop heartbeating (the router drops this instance), report

@@ -30,7 +30,8 @@ SAMPLING = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 def cluster(tiny_model_dir, tmp_path_factory):
     spec = ClusterSpec(model=str(tiny_model_dir), num_prefill=2, num_decode=2, grpc_port=0,
                        disagg_threshold=16, kv_cache_memory_bytes=KV_BYTES,
-                       startup_timeout_s=90, log_dir=str(tmp_path_factory.mktemp("logs")))
+                       startup_timeout_s=90, log_dir=str(tmp_path_factory.mktemp("logs")),
+                       router_args=("--prefill-timeout-s", "2"))
     with Cluster(spec) as c:
         yield c
         for child in c.children:  # nothing stays frozen into the teardown
@@ -111,6 +112,28 @@ def test_last_prefill_killed_falls_back_to_local_prefill(cluster, reference):
     msgs = list(stub(cluster).Generate(request(list(range(6100, 6140))), timeout=30))
     assert msgs[-1].served_by.prefill_attempts == 0
     assert wait_for(lambda: decodes_free(cluster), timeout=15)
+
+
+def test_frozen_decode_mid_stream_migrates_instead_of_hanging(cluster, tiny_model_dir):
+    """A decode instance that stops (SIGSTOP: no error, no closed connection) mid-stream is
+    probed once its stream has been silent for --prefill-timeout-s, and the request goes on
+    on the other one; the client gets the undisturbed output."""
+    ids, sampling = list(range(7500, 7540)), dict(temperature=0, max_tokens=300, ignore_eos=True)
+    want = LLM(str(tiny_model_dir), kv_cache_memory_bytes=KV_BYTES).generate(
+        {"prompt_token_ids": ids}, SamplingParams(**sampling), use_tqdm=False)[0]
+    call = stub(cluster).Generate(request(ids, **sampling), timeout=60)
+    first = [next(call), next(call)]
+    frozen = cluster.child(first[0].served_by.decode_instance).proc
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        msgs = first + list(call)
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    assert [t for m in msgs for t in m.token_ids] == want.outputs[0].token_ids
+    assert msgs[-1].served_by.migrations == 1
+    names = {"decode-0", "decode-1"}
+    assert wait_for(lambda: {i.instance_id for i in stub(cluster).ListInstances(
+        router_pb2.ListInstancesRequest(), timeout=5).instances} >= names, timeout=15)
 
 
 def test_dead_decode_before_streaming_is_retried_on_the_other_one(cluster, reference):

@@ -1,5 +1,6 @@
 """Router instance registry: heartbeats and polls into one table, TTL, mark_down, roles."""
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -136,6 +137,19 @@ def test_static_and_heartbeat_share_one_entry(reg):
     assert inst.static and inst.view.queued_requests == 7
 
 
+def test_a_heartbeat_neither_moves_nor_revives_an_instance_the_router_polls(reg, clock):
+    reg.observe(load(), address="127.0.0.1:5001", role="decode", static=True)
+    reg.mark_down("d0")  # the router cannot reach it
+    clock.t += 1
+    reg.observe(load(address="10.9.9.9:5001", role="prefill", running_requests=2))
+    (inst,) = reg.all()
+    assert inst.down_since is not None and reg.live() == []
+    assert (inst.address, inst.view.role, inst.view.running_requests) == \
+        ("127.0.0.1:5001", "decode", 2)
+    reg.observe(load(), address="127.0.0.1:5001", role="decode", static=True)  # a poll answers
+    assert [i.id for i in reg.live()] == ["d0"]
+
+
 def test_live_is_sorted_and_block_size_defaults(reg):
     assert reg.block_size() == DEFAULT_BLOCK_SIZE
     for port, iid in enumerate(("p1", "d0", "p0"), start=5001):
@@ -226,3 +240,81 @@ def test_a_static_instance_restarted_with_a_new_id_replaces_its_entry(reg):
 def test_static_poller_rejects_bad_role(reg):
     with pytest.raises(ValueError, match="role"):
         StaticPoller(reg, [("127.0.0.1:1", "router")], grpc.insecure_channel)
+
+
+class _SlowHandshakeProxy:
+    """A TCP proxy to `port` whose server-to-client bytes can start late: a loaded
+    instance that answers gRPC's handshake after `delay_s`."""
+
+    def __init__(self, port: int):
+        import socket
+        import threading
+
+        self.port, self.delay_s, self.accepted = port, 0.0, []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.port))
+            self.accepted.append(client)
+            threading.Thread(target=_pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=_pipe, args=(server, client, self.delay_s),
+                             daemon=True).start()
+
+    def drop_connections(self):
+        import socket
+
+        for c in self.accepted:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+
+
+def _pipe(src, dst, delay_s):
+    import socket
+    import time
+
+    time.sleep(delay_s)
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    for s in (src, dst):
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_static_instance_slow_to_handshake_comes_back_after_a_failed_call():
+    """A loaded instance that answers gRPC's handshake 1.5 s late, after one failed call
+    marked it down, is live again after its next polls (its channel's connection attempts
+    must be allowed that long)."""
+    import time
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    engine_pb2_grpc.add_DecodeServicer_to_server(_Decode(), server)
+    proxy = _SlowHandshakeProxy(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    channels, reg = ChannelPool(), Registry(ttl_s=3.0)
+    poller = StaticPoller(reg, [(proxy.address, "decode")], channels.get, poll_interval_s=0.5)
+    try:
+        poller.poll_once()
+        assert [i.id for i in reg.live()] == ["dec-a"]
+        proxy.delay_s = 1.5
+        proxy.drop_connections()
+        reg.mark_down("dec-a")
+        deadline = time.monotonic() + 8
+        while not reg.live() and time.monotonic() < deadline:
+            poller.poll_once()
+            time.sleep(0.5)
+        assert [i.id for i in reg.live()] == ["dec-a"]
+    finally:
+        server.stop(0)
+        channels.close()
+        proxy.listener.close()
