@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 Candidates = dict[int, float]
 
 
+# |length_penalty| beyond this overflows len ** length_penalty for long beams (or makes it
+# 0): no ranking needs more.
+MAX_LENGTH_PENALTY = 10.0
+
+
 @dataclass(frozen=True)
 class BeamSearchParams:
     """vLLM's beam search parameters."""
@@ -37,9 +42,10 @@ class BeamSearchParams:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < 1e9:
             raise ValueError(f"temperature must be a non-negative number, got "
                              f"{self.temperature!r}")
-        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != \
-                self.length_penalty:
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if not isinstance(self.length_penalty, (int, float)) or \
+                not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
+                             f"{MAX_LENGTH_PENALTY}], got {self.length_penalty!r}")
 
 
 @dataclass

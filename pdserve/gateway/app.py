@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -47,6 +48,7 @@ from pdserve.gateway.tokenization import (
 logger = logging.getLogger(__name__)
 fields_logger = logging.getLogger("pdserve.gateway")  # vLLM's warning on ignored fields
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer
+MAX_WARNED_FIELDS = 1000  # ignored field names logged once each, at most this many
 
 
 class SSEResponse(StreamingResponse):
@@ -96,11 +98,19 @@ def _error_response(e: APIError) -> JSONResponse:
 
 async def read_json(request: Request):
     """The JSON body (whatever the Content-Type: clients of OpenAI's API do not all send
-    one); 400 when it is not JSON."""
+    one); 400 when it is not JSON, or when a string in it holds a lone UTF-16 surrogate
+    (JSON's `\\ud800` escapes allow it, and no text can encode it: tokenizers and responses
+    would fail on it later)."""
     try:
-        return untrusted_json.loads(await request.body())
+        data = untrusted_json.loads(await request.body())
     except ValueError as e:  # not JSON, not UTF-8, or nested too deeply
         raise APIError(400, f"malformed JSON body: {e}") from e
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, "malformed JSON body: a string holds a lone UTF-16 surrogate "
+                            f"({e.object[e.start:e.end]!r})") from e
+    return data
 
 
 def validate_body(request: Request, data, model: type[BaseModel]):
@@ -109,10 +119,15 @@ def validate_body(request: Request, data, model: type[BaseModel]):
     if isinstance(data, dict):
         warned: set[str] = request.app.state.warned_fields
         unknown = sorted(k for k in data if k not in model.model_fields and k not in warned)
-        if unknown:
-            warned.update(unknown)
+        if unknown and len(warned) < MAX_WARNED_FIELDS:
+            # NOTE: names come from clients: the set and each log line are bounded.
+            warned.update(unknown[:MAX_WARNED_FIELDS - len(warned)])
+            shown = ", ".join(name[:64] for name in unknown[:20])
+            more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
             fields_logger.warning("The following fields were present in the request but "
-                                  "ignored: %s", ", ".join(unknown))
+                                  "ignored: %s%s%s", shown, more,
+                                  "; no further names are logged"
+                                  if len(warned) >= MAX_WARNED_FIELDS else "")
     try:
         return model.model_validate(data)
     except ValidationError as e:

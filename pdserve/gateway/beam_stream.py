@@ -6,13 +6,13 @@ tokens). The stream yields the best beams, one Delta each (index = rank), when t
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 
 from pdserve.beam_search import BeamSearch, BeamSearchParams
 from pdserve.gateway.backend import Backend, Delta, DeltaStream, Usage
 from pdserve.gateway.generation import Generation
+from pdserve.gateway.serving import gather_or_cancel
 from pdserve.sampling_params import SamplingParams
 
 
@@ -49,7 +49,7 @@ class BeamSearchStream(DeltaStream):
 
     async def _run(self) -> list[Delta]:
         while batch := self.search.next_batch():
-            self.search.advance(await asyncio.gather(*map(self._candidates, batch)))
+            self.search.advance(await gather_or_cancel(*map(self._candidates, batch)))
         beams = self.search.result(self.decode).sequences
         prompt_len = self.search.prompt_len
         deltas = [Delta(i, beam.tokens[prompt_len:], beam.text or "",

@@ -5,7 +5,6 @@ instance of the cluster."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
@@ -14,7 +13,7 @@ from typing import Literal
 import numpy as np
 
 from pdserve.gateway.protocol import APIError, _Body, bad_request
-from pdserve.gateway.serving import ServingContext
+from pdserve.gateway.serving import ServingContext, gather_or_cancel
 from pdserve.pooling_params import PoolingParams
 
 
@@ -77,7 +76,7 @@ class EmbeddingRun:
     async def respond(self) -> dict:
         base = f"embd-{uuid.uuid4().hex}"
         try:
-            embeddings = await asyncio.gather(*(
+            embeddings = await gather_or_cancel(*(
                 self.ctx.backend.embed(f"{base}-{i}", ids, self.pooling)
                 for i, ids in enumerate(self.prompts)))
         except ValueError as e:

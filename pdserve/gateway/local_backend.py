@@ -20,6 +20,7 @@ from pdserve.gateway.backend import (
     Backend,
     BackendError,
     BackendStats,
+    BackendUnavailable,
     Delta,
     DeltaStream,
     ModelInfo,
@@ -54,6 +55,21 @@ class LocalBackend(Backend):
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
 
+    async def _submit(self, request_id: str, prompt, params, **kwargs):
+        """Submit to the engine loop. A caller that leaves while the submit is queued behind
+        a step has the request aborted once it lands; a stopped loop (the engine failed) is
+        BackendUnavailable, a 503."""
+        submit = functools.partial(self.loop.submit, request_id, prompt, params, **kwargs)
+        submitted = asyncio.get_running_loop().run_in_executor(self._calls, submit)
+        try:
+            return await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(
+                lambda f: f.cancelled() or f.exception() or self._abort_soon(request_id))
+            raise
+        except RuntimeError as e:
+            raise BackendUnavailable(f"the engine is not serving: {e}") from e
+
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams, priority: int = 0,
                        cache_salt: str | None = None) -> DeltaStream:
@@ -61,16 +77,7 @@ class LocalBackend(Backend):
                                else {"prompt_token_ids": list(prompt)})
         if cache_salt is not None:
             engine_prompt["cache_salt"] = cache_salt
-        submit = functools.partial(self.loop.submit, request_id, engine_prompt, params,
-                                   priority=priority)
-        submitted = asyncio.get_running_loop().run_in_executor(self._calls, submit)
-        try:
-            stream = await asyncio.shield(submitted)
-        except asyncio.CancelledError:
-            # The caller left while the submit was queued behind a step: abort once it lands.
-            submitted.add_done_callback(
-                lambda f: f.cancelled() or f.exception() or self._abort_soon(request_id))
-            raise
+        stream = await self._submit(request_id, engine_prompt, params, priority=priority)
         return _LocalStream(self, stream)
 
     async def embed(self, request_id: str, prompt_ids: list[int],
@@ -78,8 +85,8 @@ class LocalBackend(Backend):
         """Submitted to the engine loop as a pooling request; its one (final) output is
         handed from the engine's thread to this event loop."""
         aloop = asyncio.get_running_loop()
-        stream = await self._call(self.loop.submit, request_id,
-                                  {"prompt_token_ids": list(prompt_ids)}, pooling)
+        stream = await self._submit(request_id, {"prompt_token_ids": list(prompt_ids)},
+                                    pooling)
         done: asyncio.Future[PoolingRequestOutput | BaseException] = aloop.create_future()
 
         def deliver(item) -> None:  # on the engine's thread

@@ -367,7 +367,7 @@ _PARAM_ALIASES = {"max_tokens", "min_tokens", "n", "temperature", "top_p", "top_
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
                   "stop_token_ids", "logprobs", "prompt_logprobs", "logit_bias",
                   "allowed_token_ids", "bad_words", "prompt", "prompt_token_ids",
-                  "truncate_prompt_tokens", "priority", "cache_salt"}
+                  "truncate_prompt_tokens", "priority", "cache_salt", "length_penalty"}
 
 
 def param_of(message: str) -> str | None:

@@ -10,9 +10,10 @@ Not kept: responses are not stored, so `previous_response_id` and `store` retrie
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import Field
@@ -21,8 +22,9 @@ from pdserve.gateway.backend import BackendError
 from pdserve.gateway.chat import ChatRun
 from pdserve.gateway.generation import Generation
 from pdserve.gateway.protocol import ChatCompletionRequest, _Body, bad_request
-from pdserve.gateway.serving import ServingContext, error_event
+from pdserve.gateway.serving import ServingContext, api_error_of
 
+logger = logging.getLogger(__name__)
 _ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -89,6 +91,9 @@ def _messages(items: str | list[dict]) -> list[dict]:
                                                                           "output_text"):
                     raise bad_request(f"input[{i}].content: only text parts are supported",
                                       "input")
+                if not isinstance(part.get("text", ""), str):
+                    raise bad_request(f"input[{i}].content: a text part's text must be a "
+                                      f"string", "input")
                 parts.append(part.get("text", ""))
             content = "".join(parts)
         if not isinstance(content, str):
@@ -174,5 +179,14 @@ class ResponsesRun:
             yield event("response.output_item.done", output_index=0, item=done["output"][0])
             yield event(f"response.{status}", response=done)
         except (BackendError, ValueError) as e:
-            yield error_event(e)
+            yield self._error_event(event, e)
+        except Exception as e:  # a bug: still end the stream with an error event
+            logger.exception("response %s failed", self.id)
+            yield self._error_event(event, e)
+
+    @staticmethod
+    def _error_event(event: Callable[..., str], e: Exception) -> str:
+        """The Responses API's `error` event (type, code, message, param)."""
+        err = api_error_of(e)
+        return event("error", code=err.code or err.type, message=err.message, param=err.param)
 

@@ -3,7 +3,9 @@ framing, per-choice accumulation, and OpenAI's two logprobs formats."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,14 +81,30 @@ def chunk_usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
+    """asyncio.gather that cancels the others when one fails (or the caller is cancelled),
+    so no backend request outlives the HTTP request that made it."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def api_error_of(e: Exception) -> APIError:
+    """A failure after a stream started, as the APIError it would have been before."""
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    return APIError(getattr(e, "status", 500), str(e), getattr(e, "type", "internal_error"),
+                    code=getattr(e, "code", "internal_error"))
+
+
 def error_event(e: Exception) -> str:
     """An SSE event in OpenAI's error shape, for a failure after the stream started."""
-    if isinstance(e, ValueError):
-        err = APIError(400, str(e))
-    else:
-        err = APIError(getattr(e, "status", 500), str(e), getattr(e, "type", "internal_error"),
-                       code=getattr(e, "code", "internal_error"))
-    return sse(err.body())
+    return sse(api_error_of(e).body())
 
 
 @dataclass

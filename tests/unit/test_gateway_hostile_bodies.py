@@ -1,0 +1,88 @@
+"""Bodies that once reached a 500 or grew the gateway: lone surrogates, huge beam length
+penalties, non-text parts in /v1/responses, floods of unknown field names; and errors in the
+middle of a /v1/responses stream arrive as the Responses API's own `error` event."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from starlette.testclient import TestClient
+from test_gateway_app import CharTokenizer, FakeBackend, error
+
+from pdserve.gateway.app import MAX_WARNED_FIELDS, build_app
+
+API_KEY = "k"
+
+
+class SizedCharTokenizer(CharTokenizer):
+    def __len__(self):
+        return 256
+
+
+@pytest.fixture
+def backend():
+    return FakeBackend()
+
+
+@pytest.fixture
+def client(backend):
+    app = build_app(backend, "fake-model", API_KEY, tokenizer=SizedCharTokenizer(),
+                    close_backend=False)
+    with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+def post_raw(client, path, text):
+    return client.post(path, content=text.encode(), headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"prompt": "a\\ud800", "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}'),
+    ("/v1/responses", '{"input": "hi", "metadata": {"k": "\\ud800"}, "stream": true}'),
+    ("/tokenize", '{"prompt": "\\ud83d"}'),
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(client, backend, path, body):
+    assert "surrogate" in error(post_raw(client, path, body), 400)["message"]
+    assert backend.started == []
+    ok = post_raw(client, "/v1/completions", '{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+    assert ok.status_code == 200, ok.text  # a surrogate pair is one character: fine
+
+
+@pytest.mark.parametrize("penalty", [400, -400, float("inf")])
+def test_a_beam_length_penalty_out_of_range_is_a_400(client, penalty):
+    body = {"prompt": "hello", "max_tokens": 4, "n": 2, "use_beam_search": True,
+            "length_penalty": penalty}
+    r = post_raw(client, "/v1/completions", json.dumps(body))
+    assert error(r, 400)["param"] == "length_penalty"
+
+
+@pytest.mark.parametrize("text", [5, None, ["a"]])
+def test_a_responses_text_part_that_is_not_a_string_is_a_400(client, text):
+    body = {"input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}]}
+    assert error(client.post("/v1/responses", json=body), 400)["param"] == "input"
+
+
+def test_unknown_field_names_are_remembered_and_logged_boundedly(client, caplog):
+    caplog.set_level(logging.WARNING)
+    for batch in range(3):
+        body = {"prompt": "x", "max_tokens": 1,
+                **{f"junk_{batch}_{i}": 1 for i in range(MAX_WARNED_FIELDS)}}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    assert len(client.app.state.warned_fields) == MAX_WARNED_FIELDS
+    lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(lines) == 1 and "no further names" in lines[0] and len(lines[0]) < 2000
+
+
+def test_a_failure_mid_stream_on_responses_is_an_error_event(client, backend):
+    backend.fail_mid = True
+    r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3,
+                                           "stream": True})
+    events = [block for block in r.text.split("\n\n") if block]
+    last = events[-1].splitlines()
+    assert last[0] == "event: error"
+    data = json.loads(last[1].removeprefix("data: "))
+    assert data["type"] == "error" and "decode instance died" in data["message"]
+    assert isinstance(data["sequence_number"], int) and data["code"]
