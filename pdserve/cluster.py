@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -115,6 +114,8 @@ class Child:
     address: str
     proc: subprocess.Popen
     log_path: Path
+    argv: list[str] = field(default_factory=list)  # what started it (a restart reuses it)
+    restarts: int = 0
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -156,7 +157,10 @@ class Cluster:
         self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
-        self.interrupted = threading.Event()  # set it to give up waiting for startup
+        self._swept: set[tuple[str, int]] = set()  # (child, restarts) exits whose shm is swept
+        # Set to True (from a signal handler too: a plain attribute takes no lock) to give up
+        # waiting for startup.
+        self.interrupted = False
         host = spec.host
         self.router_address = (f"{_dial_host(host)}:"
                                f"{spec.grpc_port or free_port(_dial_host(host))}")
@@ -231,15 +235,26 @@ class Cluster:
     def _spawn(self, name: str, role: str, address: str, args: list[str]) -> None:
         log_path = self.log_dir / f"{name}.log"
         args = [*args, "--log-level", self.spec.log_level, "--log-format", self.spec.log_format]
+        argv = [sys.executable, "-m", "pdserve.cli", *args]
+        self.children.append(Child(name, role, address, self._popen(argv, log_path, "wb"),
+                                   log_path, argv))
+
+    def _popen(self, argv: list[str], log_path: Path, mode: str) -> subprocess.Popen:
         # NOTE: preexec_fn runs between fork and exec; it only calls a libc function loaded
         # beforehand, so the usual hazard with threads (a lock held at fork) does not apply.
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.cli", *args], stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent(),  # noqa: PLW1509
+        with open(log_path, mode) as log:
+            return subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with_parent(),  # noqa: PLW1509
                 env=self._child_env())
-        self.children.append(Child(name, role, address, proc, log_path))
+
+    def restart(self, child: Child) -> None:
+        """Start an exited child again, as before (same arguments and port; its log goes
+        on): an instance reloads its model and is routable once the router hears from it."""
+        if child.proc.poll() is None:
+            raise ValueError(f"{child.name} is still running")
+        child.proc = self._popen(child.argv, child.log_path, "ab")
+        child.restarts += 1
 
     def _child_env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
@@ -306,7 +321,7 @@ class Cluster:
                            f"{child.log_path}:\n{child.tail()}")
 
     def _check_alive(self) -> None:
-        if self.interrupted.is_set():
+        if self.interrupted:
             raise ClusterError("interrupted while starting")
         for child in self.children:
             code = child.proc.poll()
@@ -317,10 +332,12 @@ class Cluster:
     # ------------------------------------------------------------------ run and stop
     def dead(self) -> list[Child]:
         """Children that exited; the shm segments of any that crashed are reclaimed (only
-        segments whose owner is dead are touched)."""
+        segments whose owner is dead are touched), once per exit."""
         dead = [c for c in self.children if c.proc.poll() is not None]
-        if dead and self.spec.connector == "shm":
+        exits = {(c.name, c.restarts) for c in dead}
+        if exits - self._swept and self.spec.connector == "shm":
             _reclaim_shm()
+        self._swept |= exits
         return dead
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -359,6 +376,8 @@ class Cluster:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.returncode is not None:  # reaped: its pid, the group's id, may be another's now
+        return
     try:
         os.killpg(proc.pid, sig)  # start_new_session: the group id is the child's pid
     except (ProcessLookupError, PermissionError):

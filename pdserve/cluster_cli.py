@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 
 from pdserve.cluster import (
     CPU_SHARING,
@@ -32,6 +33,7 @@ from pdserve.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.logging_setup import add_log_args, announce, report, setup_from_args
 from pdserve.services.auth import SECRET_ENV
 
+MAX_RESTARTS = 5  # times `up` restarts one child that exited before it gives up
 
 # The engine flags the HTTP gateway in front of the router reads (tokenization and limits).
 _GATEWAY_ENGINE_FLAGS = frozenset({"tokenizer", "tokenizer_mode", "chat_template",
@@ -133,9 +135,8 @@ def run_up(args: argparse.Namespace) -> int:
         cpu_sharing=args.cpu_sharing)
     cluster = Cluster(spec)
     announce(f"logs       {cluster.log_dir}")  # first, so a slow or failed start can be read
-    stop = cluster.interrupted
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal closed
+        signal.signal(sig, lambda *_: setattr(cluster, "interrupted", True))
     try:
         cluster.start()
     except ClusterError as e:
@@ -144,19 +145,27 @@ def run_up(args: argparse.Namespace) -> int:
     for line in cluster.describe().splitlines():
         announce(line)
     announce("ready; Ctrl-C stops everything")
-    code, reported = 0, set()
-    while not stop.wait(0.5):
-        for child in cluster.dead():
-            if child.name not in reported:
-                reported.add(child.name)
-                report(f"warning: {child.name} exited with code {child.proc.returncode}; "
-                       f"last lines:\n{child.tail()}")
-        if "router" in reported:
-            code = 1
-            break
+    code = supervise(cluster)
     cluster.stop()
     announce("stopped")
     return code
+
+
+def supervise(cluster: Cluster) -> int:
+    """Until a signal: restart every child that exits (an engine whose loop died exits 1 for
+    this), up to MAX_RESTARTS times each; one that keeps dying stops everything, exit 1."""
+    while not cluster.interrupted:
+        time.sleep(0.5)
+        for child in cluster.dead():
+            report(f"warning: {child.name} exited with code {child.proc.returncode}; "
+                   f"last lines:\n{child.tail()}")
+            if child.restarts >= MAX_RESTARTS:
+                report(f"error: {child.name} exited {child.restarts + 1} times; stopping",
+                       logging.ERROR)
+                return 1
+            cluster.restart(child)
+            report(f"restarted {child.name} ({child.restarts} of {MAX_RESTARTS} restarts)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,7 +160,7 @@ class Scheduler:
                 prefill_budget -= n if left > 1 else 0
         if not out.preempted:
             blocked = self._schedule_waiting(out, min(budget, prefill_budget))
-            if blocked and not self.running:
+            if blocked and not self.running and not self.loading:
                 self._unblock(blocked)
         return out
 
@@ -219,7 +219,8 @@ class Scheduler:
         compute its prompt here instead, so the engine never stalls with requests queued."""
         holders = [r for r in self._waiting_in_order(holders_first=True)
                    if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS
-                   and self.kv.has_blocks(r.request_id)]
+                   and self.kv.has_blocks(r.request_id)
+                   and (r.grammar is None or r.grammar.ready)]  # compiling: runs soon
         if not holders:
             return
         victim = holders[-1]

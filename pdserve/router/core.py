@@ -90,7 +90,7 @@ class RouterCore:
         try:
             stubs[role](instance.address).GetLoad(
                 common_pb2.LoadRequest(), timeout=self.config.control_timeout_s)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: its channel was just closed
             return True
         return False
 

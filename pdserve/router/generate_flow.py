@@ -184,8 +184,9 @@ class GenerateFlow:
                                len(prompt_ids))
                 self.core.forget_on_prefill(p.address, self.wire_id)  # its lease, if any
                 continue
-            if resp.HasField("handle"):  # NOTE: D releases where the router reached P
-                resp.handle.release_address = p.address
+            if resp.HasField("handle"):
+                if resp.handle.release_address not in (p.address, p.load.address):
+                    resp.handle.release_address = p.address  # D releases only where P is
                 self._set_lease((p.address, self.wire_id))
             self.served.prefill_instance = resp.instance_id or p.id
             self.served.disaggregated = True

@@ -79,14 +79,24 @@ local function admitted(id, max_instances)
   if redis.call('ZSCORE', P .. 'instances', id) then return true end
   return redis.call('ZCARD', P .. 'instances') < max_instances
 end
+-- P:nblocks counted again from the instances' sets (once a call, when it says full: a writer
+-- of an older version, or an evicted key, may have left it too high).
+local recounted = false
+local function recount()
+  recounted = true
+  local ids, n = redis.call('ZRANGE', P .. 'instances', 0, -1), 0
+  for i = 1, #ids do n = n + redis.call('SCARD', P .. 'iblk:' .. ids[i]) end
+  if n > 0 then redis.call('SET', P .. 'nblocks', n) else redis.call('DEL', P .. 'nblocks') end
+  return n
+end
 -- Records that id holds block h, unless that would take it past maxb blocks, or all instances
 -- past maxall: returns 1 then. P:nblocks counts (instance, block) pairs.
 local function store(setk, id, h, val, maxb, maxall)
   if redis.call('SISMEMBER', setk, h) == 0 then
-    if redis.call('SCARD', setk) >= maxb or
-       tonumber(redis.call('GET', P .. 'nblocks') or '0') >= maxall then
-      return 1
-    end
+    if redis.call('SCARD', setk) >= maxb then return 1 end
+    local total = tonumber(redis.call('GET', P .. 'nblocks') or '0')
+    if total >= maxall and not recounted then total = recount() end
+    if total >= maxall then return 1 end
     redis.call('SADD', setk, h)
     redis.call('INCR', P .. 'nblocks')
   end

@@ -83,4 +83,7 @@ class StreamWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(min(self.silence_s / 2, 5.0)):
-            self.check()
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the watch must outlive any one round
+                logger.exception("stream watch: a round failed")

@@ -73,9 +73,13 @@ class GrpcServer:
     def serve_until_signal(self, on_stop: Callable[[], None] = lambda: None) -> int:
         """Block until SIGTERM or SIGINT (exit code 0) or `fail()` (1), then stop the server
         and run `on_stop`; returns the exit code."""
+        signalled: list[int] = []
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._done.set())
-        self._done.wait()
+            # NOTE: a handler must take no lock (Event.set does): it runs between two
+            # bytecodes of the main thread, which may hold that very lock.
+            signal.signal(sig, lambda signum, _: signalled.append(signum))
+        while not signalled and not self._done.wait(0.5):
+            pass
         self.stop()
         on_stop()
         return self._exit_code

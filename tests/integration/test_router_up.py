@@ -146,3 +146,34 @@ def test_startup_failure_names_the_process(tmp_path):
     assert proc.returncode == 1
     assert out.splitlines()[0].split() == ["logs", str(tmp_path)]
     assert "exited with code" in out and "model" in out
+
+
+def test_a_child_that_dies_is_restarted(tiny_model_dir, tmp_path):
+    """`up` supervises: an engine killed (as one whose loop died exits 1) is started again
+    with the same arguments and port, and the cluster serves through it again."""
+    proc = start_up(tiny_model_dir, tmp_path, "--num-prefill", "1", "--num-decode", "1",
+                    "--disagg-threshold", "16", "--disagg-min-running", "0")
+    try:
+        lines = read_until(proc, "ready", timeout=120)
+        endpoints = dict(line.split()[:2] for line in lines[1:-1])
+        decode = next(pid for pid in children(proc.pid)
+                      if "decode" in Path(f"/proc/{pid}/cmdline").read_text().split("\0"))
+        os.kill(decode, signal.SIGKILL)
+        read_until(proc, "restarted decode-0", timeout=30)
+        stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(endpoints["router"]))
+        request = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=list(range(100, 140))),
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        deadline, served = time.monotonic() + 90, None
+        while served is None and time.monotonic() < deadline:
+            try:
+                served = list(stub.Generate(request, timeout=30))[-1].served_by
+            except grpc.RpcError:
+                time.sleep(0.5)  # the new decode instance is still loading
+        assert served is not None and served.decode_instance == "decode-0"
+        assert decode not in children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
