@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -240,6 +241,10 @@ class Cluster:
                                    log_path, argv))
 
     def _popen(self, argv: list[str], log_path: Path, mode: str) -> subprocess.Popen:
+        if threading.current_thread() is not threading.main_thread():
+            # Linux ties the parent-death signal to the thread that forked, not the process:
+            # children started here would get SIGTERM when this thread ends.
+            raise ClusterError("start and restart a Cluster from the main thread")
         # NOTE: preexec_fn runs between fork and exec; it only calls a libc function loaded
         # beforehand, so the usual hazard with threads (a lock held at fork) does not apply.
         with open(log_path, mode) as log:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pdserve.block_hash import root_hash
+from pdserve.block_hash import hash_blocks, root_hash
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.engine_args import EngineArgs
@@ -147,6 +147,7 @@ class LLMEngine:
                                                           arrival_time, priority,
                                                           kv_transfer_params)
         root = root_hash(prompt_cache_salt(prompt))
+        self._check_handle_hashes(children[0], root)
         for child in children:  # n > 1 names its sequences "{i}_{request_id}"
             self._check_id_free(child.request_id)
             child.hash_root = root
@@ -156,6 +157,18 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
         return request_id
+
+    def _check_handle_hashes(self, request, root: int) -> None:
+        """A remote KV handle's block hashes are the prompt's own (with its cache_salt): KV
+        of another prompt would be used, and cached under this prompt's hashes."""
+        handle = request.remote_kv
+        if handle is None:
+            return
+        size = self.config.cache.block_size
+        full = request.prompt_token_ids[:len(handle.block_hashes) * size]
+        if list(handle.block_hashes) != hash_blocks(full, size, root):
+            raise ValueError("handle.block_hashes: not the prompt's blocks (the KV of another "
+                             "prompt, or of another cache_salt)")
 
     def _check_id_free(self, request_id: str) -> None:
         """Refuse an id that a request, one of its sequences or a prefill's KV lease holds."""

@@ -76,7 +76,7 @@ class KVHandle:
             raise ValueError(f"handle.block_ids: ids must be in [0, {num_blocks})")
         if len(set(self.block_ids)) != len(self.block_ids):
             raise ValueError("handle.block_ids: repeated block id")
-        if len(self.block_hashes) > self.num_tokens // block_size:
+        if len(self.block_hashes) != self.num_tokens // block_size:
             raise ValueError(f"handle.block_hashes: {len(self.block_hashes)} hashes for "
                              f"{self.num_tokens // block_size} full blocks")
         if not math.isfinite(self.lease_expires_at):

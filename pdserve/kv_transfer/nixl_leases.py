@@ -136,7 +136,12 @@ class LeaseServer:
         except (ValueError, KeyError, TypeError, binascii.Error):
             return  # no nonce or address to answer: the reader times out
         try:
-            peer = self._peer(reply_to)
+            self._check_grant(lease, token, blocks)
+            granted = True
+        except KVTransferError:
+            granted = False
+        try:
+            peer, known = self._peer(reply_to, keep=granted)
         except Exception:  # noqa: BLE001 - unreachable or bogus reply address
             return
         try:
@@ -148,12 +153,19 @@ class LeaseServer:
             body = {"nonce": nonce, "error": f"{type(e).__name__}: {e}"}
         with suppress(Exception):  # the reader went away
             self._agent.send_notif(peer, REPLY + json.dumps(body).encode())
+        if not granted and not known:  # a stranger's agent is not kept past its refusal
+            with suppress(Exception):
+                self._agent.remove_remote_agent(peer)
 
-    def _peer(self, metadata: bytes) -> str:
+    def _peer(self, metadata: bytes, keep: bool) -> tuple[str, bool]:
+        """Load a requester's agent; (its name, whether it was kept before). Only readers
+        with a live grant are kept (`keep`)."""
         name = self._agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
-        self._peers.add(name)
-        return name
+        known = name in self._peers
+        if keep:
+            self._peers.add(name)
+        return name, known
 
     def _register(self, lease: str, token: str, blocks: list[int]) -> bytes:
         """Check the grant and register `blocks` of `lease`; their partial metadata. Under the

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 
 _IOV_BATCH = 512  # well under IOV_MAX (1024 on Linux)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly n bytes; ConnectionError on EOF."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Read exactly n bytes; ConnectionError on EOF, TimeoutError past `deadline`."""
     buf = bytearray(n)
-    recv_into_views(sock, [memoryview(buf)])
+    recv_into_views(sock, [memoryview(buf)], deadline)
     return bytes(buf)
 
 
@@ -29,11 +30,20 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
         i = _advance(pending, i, sent)
 
 
-def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Fill every byte of `views` (1-D, format "B"), in order; ConnectionError on EOF."""
+def recv_into_views(sock: socket.socket, views: Sequence[memoryview],
+                    deadline: float | None = None) -> None:
+    """Fill every byte of `views` (1-D, format "B"), in order; ConnectionError on EOF.
+    With a `deadline` (time.monotonic()), the whole read must end by then (TimeoutError): a
+    peer that trickles a byte at a time cannot hold it up, as a per-call timeout would let
+    it. The socket's timeout is left at what remained."""
     pending = [v for v in views if v.nbytes]
     i = 0
     while i < len(pending):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the read did not end in time")
+            sock.settimeout(left)
         if isinstance(sock, ssl.SSLSocket):  # TLS: no flags, no scatter/gather
             got = sock.recv_into(pending[i], pending[i].nbytes)
         elif len(pending) - i == 1:  # common case: one big buffer

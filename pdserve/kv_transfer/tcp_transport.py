@@ -31,11 +31,12 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import torch
 
-from pdserve.kv_transfer.block_runs import BlockRun, check_block_ids, remote_runs
+from pdserve.kv_transfer.block_runs import BlockRun, check_block_ids
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.socket_io import recv_exact, recv_into_views, send_views
 from pdserve.kv_transfer.socket_tls import SocketTls
@@ -46,6 +47,9 @@ OP_HELLO, OP_READ, OP_AUTH = 1, 2, 3
 REQ = struct.Struct("!4sBI")
 REPLY = struct.Struct("!BQ")
 MAX_REQUEST_BYTES = 1 << 24
+MAX_HANDSHAKE_BYTES = 256  # HELLO and AUTH frames: read before the peer is known
+MAX_CONNECTIONS = 256  # accepted at once; more are closed at once
+MIN_READ_RATE = 10 << 20  # bytes/s: a slower producer's read fails (on top of timeout_s)
 MAX_ERROR_BYTES = 1 << 16  # a producer's refusal is a short message
 LEASE = struct.Struct("!HH")  # lengths of the lease id and of its token, in a READ
 
@@ -132,15 +136,25 @@ class TcpTransport(KVTransport):
                 conn, _ = self._server.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                break
-            with self._conns_lock:
+            except OSError:  # out of descriptors, say: the loop must outlive it
                 if self._stop.is_set():
-                    conn.close()
                     break
+                time.sleep(0.1)
+                continue
+            with self._conns_lock:
+                if self._stop.is_set() or len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()
+                    if self._stop.is_set():
+                        break
+                    continue
                 self._conns.add(conn)
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
-                             name=f"kv-tcp-conn-{self.engine_id}").start()
+            try:
+                threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                                 name=f"kv-tcp-conn-{self.engine_id}").start()
+            except RuntimeError:  # no thread to serve it
+                with self._conns_lock:
+                    self._conns.discard(conn)
+                conn.close()
 
     def _serve_conn(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -150,14 +164,17 @@ class TcpTransport(KVTransport):
             challenge = b""  # set by HELLO when this producer has a secret
             authed = self._secret is None
             while not self._stop.is_set():
-                conn.settimeout(None)  # idle until the next request; close() shuts us down
+                # An authenticated reader may idle until its next request (close() shuts it
+                # down); until then, every frame must come whole within timeout_s, and only
+                # handshake frames are read at all.
+                conn.settimeout(None if authed else self.timeout_s)
                 head = recv_exact(conn, REQ.size)
-                conn.settimeout(self.timeout_s)
                 magic, op, length = REQ.unpack(head)
-                if magic != MAGIC or length > MAX_REQUEST_BYTES:
+                limit = MAX_REQUEST_BYTES if authed else MAX_HANDSHAKE_BYTES
+                if magic != MAGIC or length > limit:
                     self._reply_error(conn, f"bad request frame (magic={magic!r}, length={length})")
                     return
-                payload = recv_exact(conn, length)
+                payload = recv_exact(conn, length, time.monotonic() + self.timeout_s)
                 if op == OP_HELLO:
                     challenge = secrets.token_bytes(32) if self._secret else b""
                     self._hello(conn, payload, challenge)
@@ -211,14 +228,16 @@ class TcpTransport(KVTransport):
             check_block_ids(ids, cache.shape[2], "requested")
         except KVTransferError as e:
             return self._reply_error(conn, str(e))
-        if cache.device.type == "cpu":
-            views = run_views(cache, remote_runs(ids))
-        else:  # device cache: gather to host first
-            idx = torch.tensor(ids, device=cache.device)
-            staged = cache.index_select(2, idx).cpu().contiguous()
-            views = [memoryview(staged.view(-1).view(torch.uint8).numpy())]
-        total = sum(v.nbytes for v in views)
-        send_views(conn, [memoryview(REPLY.pack(0, total)), *views])
+        # NOTE: a copy, taken while the lease holds, is what goes out: the lease may end (and
+        # its blocks take other prompts' KV) while a slow reader is still being sent to.
+        idx = torch.tensor(ids, device=cache.device)
+        staged = cache.index_select(2, idx).cpu().contiguous()
+        try:
+            self.check_grant(lease_id, token, ids)  # still live once copied
+        except KVTransferError as e:
+            return self._reply_error(conn, str(e))
+        view = memoryview(staged.view(-1).view(torch.uint8).numpy())
+        send_views(conn, [memoryview(REPLY.pack(0, view.nbytes)), view])
 
     @staticmethod
     def _reply_error(conn: socket.socket, message: str) -> None:
@@ -237,12 +256,17 @@ class TcpTransport(KVTransport):
         body = (LEASE.pack(len(lease_id), len(token)) + lease_id + token
                 + struct.pack(f"!{len(ids)}I", *ids))
         request = REQ.pack(MAGIC, OP_READ, len(body)) + body
+        expected = len(ids) * remote_layout.block_bytes
         for attempt in (0, 1):
             reused = key in self._peers
             conn = self._connect(key)
+            # The whole read ends in time, however the producer paces it (it holds the
+            # engine's one read slot meanwhile).
+            deadline = time.monotonic() + self.timeout_s + expected / MIN_READ_RATE
             try:
+                conn.settimeout(self.timeout_s)  # a deadline read may have left it shorter
                 conn.sendall(request)
-                status, length = REPLY.unpack(recv_exact(conn, REPLY.size))
+                status, length = REPLY.unpack(recv_exact(conn, REPLY.size, deadline))
             except (OSError, ConnectionError) as e:
                 self._drop(key)
                 if reused and attempt == 0:
@@ -254,13 +278,12 @@ class TcpTransport(KVTransport):
                     raise KVTransferError(f"producer {key[2]!r} at {key[0]}:{key[1]} sent a "
                                           f"{length}-byte refusal (at most {MAX_ERROR_BYTES})")
                 if status != 0:  # refused (e.g. ids out of range); the connection stays usable
-                    message = recv_exact(conn, length).decode(errors="replace")
+                    message = recv_exact(conn, length, deadline).decode(errors="replace")
                     raise KVTransferError(f"producer {key[2]!r} at {key[0]}:{key[1]} refused: {message}")
-                expected = len(ids) * remote_layout.block_bytes
                 if length != expected:
                     self._drop(key)
                     raise KVTransferError(f"producer sent {length} bytes, expected {expected}")
-                self._receive_payload(conn, runs)
+                self._receive_payload(conn, runs, deadline)
                 return
             except (OSError, ConnectionError) as e:
                 self._drop(key)
@@ -271,15 +294,17 @@ class TcpTransport(KVTransport):
         return KVTransferError(f"tcp read from {key[2]!r} at {key[0]}:{key[1]} failed: "
                                f"{type(e).__name__}: {e}")
 
-    def _receive_payload(self, conn: socket.socket, runs: list[BlockRun]) -> None:
+    def _receive_payload(self, conn: socket.socket, runs: list[BlockRun],
+                         deadline: float) -> None:
         cache = self.kv_cache
         n_planes = cache.shape[0] * 2
         if cache.device.type == "cpu":
-            recv_into_views(conn, run_views(cache, [(loc, n) for _, loc, n in runs]))
+            recv_into_views(conn, run_views(cache, [(loc, n) for _, loc, n in runs]), deadline)
             return
         count = sum(n for _, _, n in runs)
         staged = torch.empty((n_planes, count, *cache.shape[3:]), dtype=cache.dtype)
-        recv_into_views(conn, [memoryview(staged.view(-1).view(torch.uint8).numpy())])
+        recv_into_views(conn, [memoryview(staged.view(-1).view(torch.uint8).numpy())],
+                        deadline)
         staged = staged.view(cache.shape[0], 2, count, *cache.shape[3:]).to(cache.device)
         done = 0
         for _, loc, n in runs:

@@ -218,6 +218,8 @@ class KVTransport(ABC):
         outside = [b for b in block_ids if b not in grant[1]]
         if outside:
             raise KVTransferError(f"blocks {outside[:8]} are not in lease {lease_id!r}")
+        if len(set(block_ids)) != len(block_ids):  # one lease's blocks once: no amplification
+            raise KVTransferError(f"block ids repeat in one request for lease {lease_id!r}")
 
     def _descriptor(self, **extra: Any) -> dict[str, Any]:
         return {"kind": self.kind, "version": DESCRIPTOR_VERSION, "engine_id": self.engine_id,

@@ -70,6 +70,8 @@ def still_serves(p, d, decode_proc, want, rid):
     ("handle.block_ids", lambda h: h.block_ids.__setitem__(0, 10**9)),
     ("handle.block_ids", lambda h: h.block_ids.__setitem__(1, h.block_ids[0])),
     ("handle.block_hashes", lambda h: h.block_hashes.extend([1, 2, 3, 4])),
+    ("handle.block_hashes", lambda h: h.block_hashes.__setitem__(0, h.block_hashes[0] ^ 1)),
+    ("handle.block_hashes", lambda h: h.block_hashes.pop()),
     ("handle.lease_expires_at", lambda h: setattr(h, "lease_expires_at", float("nan"))),
     ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", "[]")),
     ("handle.descriptor_json", lambda h: setattr(h, "descriptor_json", "null")),

@@ -1,6 +1,7 @@
 """The tcp KV transport's connection checks, against a real producer process: mutual TLS with
 the cluster's certificates, and without them a proof of the cluster secret before any read."""
 
+import contextlib
 import socket
 import struct
 import threading
@@ -107,5 +108,73 @@ def test_a_producer_claiming_a_huge_refusal_is_cut_off_before_any_allocation():
                 dec.read_blocks(remote, [3], [0], ("lease", "token"))
         thread.join(timeout=5)
         assert claims and not thread.is_alive()
+    finally:
+        listener.close()
+
+
+def test_before_the_proof_only_handshake_sized_frames_are_read():
+    """A stranger's frame header claiming 16 MiB is refused at once: nothing of that size is
+    allocated, and the producer serves a reader with the secret right after."""
+    producer = Producer("tcp", LAYOUT_F32, seed=7, cluster_secret=SECRET)
+    try:
+        desc = producer.descriptor
+        with socket.create_connection((desc["host"], desc["port"]), timeout=5) as raw:
+            raw.sendall(REQ.pack(MAGIC, OP_HELLO, 1 << 24))
+            status, length = REPLY.unpack(raw.recv(REPLY.size, socket.MSG_WAITALL))
+            assert status == 1 and b"bad request frame" in raw.recv(length, socket.MSG_WAITALL)
+        with consumer("tcp", LAYOUT_F32, timeout_s=3.0, cluster_secret=SECRET) as dec:
+            assert dec.read_blocks(desc, [3], [0], producer.lease) > 0
+    finally:
+        producer.stop()
+
+
+def test_a_read_naming_a_block_twice_is_refused():
+    """A one-block lease cannot be read many times over in one request (a reply larger than
+    the lease, and a copy of it on the producer)."""
+    producer = Producer("tcp", LAYOUT_F32, seed=8)
+    try:
+        with consumer("tcp", LAYOUT_F32, timeout_s=3.0) as dec:
+            with pytest.raises(KVTransferError, match="repeat"):
+                dec.read_blocks(producer.descriptor, [2, 2], [0, 1], producer.small_lease)
+            assert not dec.kv_cache.any()
+            assert dec.read_blocks(producer.descriptor, [2], [0], producer.small_lease) > 0
+    finally:
+        producer.stop()
+
+
+def test_a_producer_that_trickles_its_reply_fails_the_read_in_time():
+    """One byte every 0.2 s keeps each recv under a 1 s timeout; the whole read has one
+    deadline (timeout plus the bytes at 10 MB/s), so it fails instead of holding the
+    engine's read slot for the length of the reply."""
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    layout = KVLayout(**{**LAYOUT_F32, "num_blocks": 32})
+
+    def trickling_producer():
+        conn, _ = listener.accept()
+        with conn:
+            _, _, length = REQ.unpack(conn.recv(REQ.size, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)
+            conn.sendall(REPLY.pack(0, 0))
+            _, _, length = REQ.unpack(conn.recv(REQ.size, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)
+            conn.sendall(REPLY.pack(0, layout.block_bytes))
+            with contextlib.suppress(OSError):
+                for _ in range(200):
+                    conn.sendall(b"\0")
+                    time.sleep(0.2)
+
+    thread = threading.Thread(target=trickling_producer, daemon=True)
+    thread.start()
+    remote = {"kind": "tcp", "version": DESCRIPTOR_VERSION, "engine_id": "slow",
+              "host": "127.0.0.1", "port": listener.getsockname()[1],
+              "layout": layout.to_dict()}
+    try:
+        with consumer("tcp", LAYOUT_F32, timeout_s=1.0) as dec:
+            start = time.monotonic()
+            with pytest.raises(KVTransferError, match="failed"):
+                dec.read_blocks(remote, [3], [0], ("lease", "token"))
+            assert time.monotonic() - start < 10
     finally:
         listener.close()
