@@ -226,7 +226,9 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
 
     async def serve(request: Request, body, run_cls):
         check_model(body)
-        run = run_cls(ctx, body)  # checked and tokenized
+        # Checked and tokenized, off the event loop: a constraint's grammar is compiled to
+        # check it, which other clients (health checks too) must not wait for.
+        run = await asyncio.to_thread(run_cls, ctx, body)
         weight = run.backend_requests
         beams = getattr(body, "use_beam_search", False) and weight == body.n
         admission.enter(weight, "n" if beams else "prompt")

@@ -133,10 +133,23 @@ class HermesToolParser(ToolParser):
     def __init__(self) -> None:
         super().__init__()
         self._state = "text"  # text | block | between | plain
+        # Inside a block, text that cannot hold the closing tag waits here, joined once the
+        # tag comes: appending each delta to one string would copy it again every time.
+        self._pending: list[str] = []
+        self._tail = ""  # the last len(HERMES_CLOSE) - 1 characters of the block so far
 
     def feed(self, delta_text: str) -> list[dict]:
         out: list[dict] = []
-        self._buf += delta_text
+        if self._state == "block":
+            if not self._pending:
+                self._tail = self._buf[1 - len(HERMES_CLOSE):]
+            window = self._tail + delta_text
+            if HERMES_CLOSE not in window:
+                self._pending.append(delta_text)
+                self._tail = window[1 - len(HERMES_CLOSE):]
+                return out
+        self._buf += "".join(self._pending) + delta_text
+        self._pending = []
         while self._step(out):
             pass
         return out
@@ -181,7 +194,8 @@ class HermesToolParser(ToolParser):
 
     def finish(self) -> list[dict]:
         out: list[dict] = []
-        buf, self._buf = self._buf, ""
+        buf, self._buf = self._buf + "".join(self._pending), ""
+        self._pending = []
         if self._state in ("text", "plain"):
             self._text(buf, out)
         elif self._state == "block":  # the output ended inside a block
@@ -236,7 +250,7 @@ def _llama_calls(text: str) -> list[tuple[str, dict]] | None:
             return calls or None
         try:
             obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested beyond the stack
             return None
         call = _call_from(obj, ("parameters", "arguments"))
         pos = _SPACE.match(text, pos).end()

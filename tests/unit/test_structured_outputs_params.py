@@ -211,3 +211,29 @@ def test_proto_with_a_malformed_regex_is_an_error():
     with pytest.raises(ValueError) as info:
         params_from_proto(msg)
     assert "structured_outputs.regex" in str(info.value)
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"json": _nested(40)}, "structured_outputs.json"),
+    ({"json": _nested(300), "disable_additional_properties": True}, "structured_outputs.json"),
+    ({"json": {"enum": list(range(30_000))}}, "structured_outputs.json"),
+    ({"choice": [f"c{i}" for i in range(5000)]}, "structured_outputs.choice"),
+])
+def test_constraints_too_big_to_compile_quickly_are_refused_naming_the_field(kwargs, field):
+    """A grammar's compile time grows steeply with schema nesting and choice count, and a
+    compile holds up the constrained requests behind it: such constraints are refused
+    before anything is compiled."""
+    with pytest.raises(ValueError, match=field):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_constraints_at_the_bounds_are_accepted():
+    assert StructuredOutputsParams(json=_nested(30)).spec.kind == "json"
+    assert StructuredOutputsParams(choice=[f"c{i}" for i in range(4096)]).spec.kind == "choice"

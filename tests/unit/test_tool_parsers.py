@@ -268,3 +268,14 @@ def test_validate_tools_errors(tools, choice, message):
     with pytest.raises(ValueError) as e:
         validate_tools(tools, choice)
     assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("text", ['{"name": "f", "parameters": ' + "[" * 5000,
+                                  "<|python_tag|>" + "[" * 3000 + "]" * 3000],
+                         ids=["unterminated", "balanced"])
+def test_output_nested_past_the_stack_is_content_not_a_crash(text):
+    """A model's output nested deeper than Python's stack is malformed tool-call JSON: it
+    comes back as content, streamed or not."""
+    assert get_tool_parser("llama3_json").parse(text).content == text
+    _, content, calls = stream("llama3_json", text, 1000)
+    assert content == text and calls == []
