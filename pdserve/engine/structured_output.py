@@ -146,4 +146,8 @@ def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[Request]) -> None:
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])  # (B, ceil(V / 32))
     for i in constrained:
         rows[i].grammar.fill_bitmask(bitmask, i)
+    for i in constrained:  # NOTE: one check a row: such a request fails, and only it
+        if not bitmask[i].any():
+            rows[i].grammar.error = ("structured_outputs: the constraint allows no next token "
+                                     "(a grammar that accepts no text)")
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=constrained)

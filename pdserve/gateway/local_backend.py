@@ -181,6 +181,8 @@ class _LocalStream(DeltaStream):
                 raise BackendError(str(item))
             if item.error:
                 self._finished = True
+                if "structured_outputs" in item.error:  # the request's constraint: a 400
+                    raise ValueError(item.error)
                 raise BackendError(f"request {item.request_id} failed: {item.error}")
             self._pending.extend(self._deltas(item))
             self._finished = item.finished

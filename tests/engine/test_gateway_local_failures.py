@@ -48,3 +48,19 @@ def test_gather_or_cancel_cancels_the_siblings_of_a_failure():
 
     asyncio.run(main())
     assert cancelled == [True, True]
+
+
+@pytest.mark.parametrize("constraint", [
+    {"guided_grammar": 'root ::= root "a"'},  # left-recursive: accepts no text at all
+    {"guided_choice": ["a"], "min_tokens": 10},  # after "a" only the end, which min_tokens bans
+])
+def test_a_constraint_no_output_can_satisfy_is_a_400(tiny_model_dir, constraint):
+    backend = LocalBackend.from_engine_args(EngineArgs(
+        model=str(tiny_model_dir), kv_cache_memory_bytes=4 << 20, served_model_name="tiny"))
+    with TestClient(build_app(backend, "tiny")) as client:
+        r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20,
+                                                 "temperature": 0, **constraint})
+        assert r.status_code == 400, r.text
+        assert "structured_outputs" in r.json()["error"]["message"]
+        ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200  # only that request failed
