@@ -8,30 +8,10 @@ import json
 import logging
 
 import pytest
-from starlette.testclient import TestClient
-from test_gateway_app import CharTokenizer, FakeBackend, error
+from test_gateway_app import error
+from test_gateway_vllm_http import backend, client  # noqa: F401 (fixtures)
 
-from pdserve.gateway.app import MAX_WARNED_FIELDS, build_app
-
-API_KEY = "k"
-
-
-class SizedCharTokenizer(CharTokenizer):
-    def __len__(self):
-        return 256
-
-
-@pytest.fixture
-def backend():
-    return FakeBackend()
-
-
-@pytest.fixture
-def client(backend):
-    app = build_app(backend, "fake-model", API_KEY, tokenizer=SizedCharTokenizer(),
-                    close_backend=False)
-    with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-        yield c
+from pdserve.gateway.app import MAX_WARNED_FIELDS
 
 
 def post_raw(client, path, text):
