@@ -126,7 +126,8 @@ class Child:
 
 
 def free_port(host: str) -> int:
-    """A port for a child to listen on (see ports.pick_free_port)."""
+    """A port for a child that binds `host` (checked there: a wildcard host checks every
+    address) to listen on (see ports.pick_free_port)."""
     return pick_free_port(host)
 
 
@@ -164,7 +165,7 @@ class Cluster:
         self.interrupted = False
         host = spec.host
         self.router_address = (f"{_dial_host(host)}:"
-                               f"{spec.grpc_port or free_port(_dial_host(host))}")
+                               f"{spec.grpc_port or free_port(host)}")
 
     @property
     def instances(self) -> list[Child]:
@@ -190,7 +191,7 @@ class Cluster:
         dial = _dial_host(s.host)
         planned = [(f"prefill-{i}", "prefill") for i in range(s.num_prefill)]
         planned += [(f"decode-{i}", "decode") for i in range(s.num_decode)]
-        addresses = {name: f"{dial}:{free_port(dial)}" for name, _ in planned}
+        addresses = {name: f"{dial}:{free_port(s.host)}" for name, _ in planned}
         router_cmd = ["router", "--model", s.model, "--host", s.host,
                       "--grpc-port", self.router_address.rsplit(":", 1)[1],
                       "--disagg-threshold", str(s.disagg_threshold),
@@ -201,7 +202,7 @@ class Cluster:
             router_cmd += ["--redis-url", s.redis_url]
         self._spawn("router", "router", self.router_address, router_cmd)
         if s.http_port is not None:
-            self.http_address = f"{dial}:{s.http_port or free_port(dial)}"
+            self.http_address = f"{dial}:{s.http_port or free_port(s.host)}"
             gateway_cmd = ["serve", "--router", self.router_address, "--model", s.model,
                            "--host", s.host, "--port", self.http_address.rsplit(":", 1)[1],
                            *s.gateway_args]
