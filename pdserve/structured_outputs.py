@@ -28,6 +28,8 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 MAX_SCHEMA_DEPTH = 64  # JSON nesting: about 32 levels of nested object schemas
 MAX_SCHEMA_NODES = 20_000  # objects, arrays and values in one schema
 MAX_CHOICES = 4096
+# Text that no grammar holds (a string under one of these keys is not counted).
+_ANNOTATIONS = frozenset({"description", "title", "$comment"})
 # xgrammar prefixes its errors with "[time] file.cc:line: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -142,8 +144,9 @@ def _check_size(schema: dict) -> None:
             raise ValueError(f"structured_outputs.json: the schema nests deeper than "
                              f"{MAX_SCHEMA_DEPTH} levels or holds more than "
                              f"{MAX_SCHEMA_NODES} values")
-        children = value.values() if isinstance(value, dict) else \
-            value if isinstance(value, list) else ()
+        children = [v for k, v in value.items()
+                    if not (k in _ANNOTATIONS and isinstance(v, str))] \
+            if isinstance(value, dict) else value if isinstance(value, list) else ()
         stack.extend((child, depth + 1) for child in children)
 
 
@@ -157,6 +160,12 @@ def _no_additional_properties(schema: Any) -> Any:
     if out.get("type") == "object" or "properties" in out:
         out["additionalProperties"] = False
     return out
+
+
+def is_constraint_error(error: str) -> bool:
+    """A request's error caused by its own structured_outputs constraint (a client error:
+    HTTP 400 / INVALID_ARGUMENT), not by the server."""
+    return error.startswith("structured_outputs")
 
 
 def choice_ebnf(choices: list[str]) -> str:

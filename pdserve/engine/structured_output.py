@@ -77,7 +77,8 @@ class GrammarState:
     def accept(self, token: int) -> None:
         """Advance over a sampled token; a token the grammar forbids sets `error`."""
         if self.active and not self._matcher.accept_token(token):
-            self.error = f"sampled token {token} does not match the structured_outputs constraint"
+            self.error = (f"structured_outputs: sampled token {token} does not match the "
+                          f"constraint (min_tokens may forbid the end it allows)")
 
     @property
     def is_terminated(self) -> bool:

@@ -196,6 +196,9 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
     model_name = names[0]
     if tokenizer is None:
         tokenizer = backend.load_tokenizer()
+    # NOTE: requests are built on worker threads; transformers adjusts a fast tokenizer's
+    # truncation and padding state on its first encode, which must not race.
+    tokenizer.encode("warm up")
     metrics = metrics or GatewayMetrics(model_name)
     ctx = ServingContext(backend, tokenizer, model_name, info.max_model_len, metrics,
                          info.max_logprobs if max_logprobs is None else max_logprobs,

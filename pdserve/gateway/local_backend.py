@@ -30,6 +30,7 @@ from pdserve.gateway.backend import (
 from pdserve.outputs import Logprob, PoolingRequestOutput, RequestOutput
 from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured_outputs import is_constraint_error
 
 
 class LocalBackend(Backend):
@@ -181,7 +182,7 @@ class _LocalStream(DeltaStream):
                 raise BackendError(str(item))
             if item.error:
                 self._finished = True
-                if "structured_outputs" in item.error:  # the request's constraint: a 400
+                if is_constraint_error(item.error):  # the request's constraint: a 400
                     raise ValueError(item.error)
                 raise BackendError(f"request {item.request_id} failed: {item.error}")
             self._pending.extend(self._deltas(item))

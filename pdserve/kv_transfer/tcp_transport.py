@@ -50,6 +50,7 @@ MAX_REQUEST_BYTES = 1 << 24
 MAX_HANDSHAKE_BYTES = 256  # HELLO and AUTH frames: read before the peer is known
 MAX_CONNECTIONS = 256  # accepted at once; more are closed at once
 MIN_READ_RATE = 10 << 20  # bytes/s: a slower producer's read fails (on top of timeout_s)
+SEND_CHUNK_BLOCKS = 64  # blocks copied at a time for a reply (bounded staging memory)
 MAX_ERROR_BYTES = 1 << 16  # a producer's refusal is a short message
 LEASE = struct.Struct("!HH")  # lengths of the lease id and of its token, in a READ
 
@@ -158,6 +159,8 @@ class TcpTransport(KVTransport):
 
     def _serve_conn(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a vanished peer's slot
+        handshake_by = time.monotonic() + self.timeout_s  # the whole proof, from accept
         try:
             if self.tls is not None:
                 conn = self._wrap_accepted(conn)
@@ -165,16 +168,17 @@ class TcpTransport(KVTransport):
             authed = self._secret is None
             while not self._stop.is_set():
                 # An authenticated reader may idle until its next request (close() shuts it
-                # down); until then, every frame must come whole within timeout_s, and only
-                # handshake frames are read at all.
-                conn.settimeout(None if authed else self.timeout_s)
-                head = recv_exact(conn, REQ.size)
+                # down), then sends each frame within timeout_s; before that, the whole
+                # handshake must end within timeout_s of accept, in handshake-sized frames.
+                conn.settimeout(None)
+                head = recv_exact(conn, REQ.size, None if authed else handshake_by)
                 magic, op, length = REQ.unpack(head)
                 limit = MAX_REQUEST_BYTES if authed else MAX_HANDSHAKE_BYTES
                 if magic != MAGIC or length > limit:
                     self._reply_error(conn, f"bad request frame (magic={magic!r}, length={length})")
                     return
-                payload = recv_exact(conn, length, time.monotonic() + self.timeout_s)
+                payload = recv_exact(conn, length,
+                                     time.monotonic() + self.timeout_s if authed else handshake_by)
                 if op == OP_HELLO:
                     challenge = secrets.token_bytes(32) if self._secret else b""
                     self._hello(conn, payload, challenge)
@@ -228,16 +232,23 @@ class TcpTransport(KVTransport):
             check_block_ids(ids, cache.shape[2], "requested")
         except KVTransferError as e:
             return self._reply_error(conn, str(e))
-        # NOTE: a copy, taken while the lease holds, is what goes out: the lease may end (and
-        # its blocks take other prompts' KV) while a slow reader is still being sent to.
-        idx = torch.tensor(ids, device=cache.device)
-        staged = cache.index_select(2, idx).cpu().contiguous()
-        try:
-            self.check_grant(lease_id, token, ids)  # still live once copied
-        except KVTransferError as e:
-            return self._reply_error(conn, str(e))
-        view = memoryview(staged.view(-1).view(torch.uint8).numpy())
-        send_views(conn, [memoryview(REPLY.pack(0, view.nbytes)), view])
+        # NOTE: copies, each taken while the lease holds, are what go out (plane-major, as
+        # run_views): the lease may end, and its blocks take other prompts' KV, while a slow
+        # reader is still being sent to. A lease that ends mid-reply cuts the connection.
+        planes = cache.view(-1, *cache.shape[2:])  # (layers * 2, num_blocks, ...)
+        block_bytes = planes[0, 0].numel() * cache.element_size()
+        conn.sendall(REPLY.pack(0, planes.shape[0] * len(ids) * block_bytes))
+        for plane in planes:
+            for start in range(0, len(ids), SEND_CHUNK_BLOCKS):
+                chunk = ids[start:start + SEND_CHUNK_BLOCKS]
+                idx = torch.tensor(chunk, device=cache.device)
+                staged = plane.index_select(0, idx).cpu().contiguous()  # (chunk, ...)
+                try:
+                    self.check_grant(lease_id, token, chunk)  # still live once copied
+                except KVTransferError:
+                    conn.shutdown(socket.SHUT_RDWR)
+                    return
+                send_views(conn, [memoryview(staged.view(-1).view(torch.uint8).numpy())])
 
     @staticmethod
     def _reply_error(conn: socket.socket, message: str) -> None:
@@ -269,7 +280,7 @@ class TcpTransport(KVTransport):
                 status, length = REPLY.unpack(recv_exact(conn, REPLY.size, deadline))
             except (OSError, ConnectionError) as e:
                 self._drop(key)
-                if reused and attempt == 0:
+                if reused and attempt == 0 and not isinstance(e, TimeoutError):
                     continue  # stale cached connection: retry once on a fresh one
                 raise self._error(key, e) from e
             try:

@@ -255,7 +255,7 @@ class GenerateFlow:
                 self._abort(Code.UNAVAILABLE, f"decode instance {decode.id} sent {e}")
             except grpc.RpcError as e:
                 self._check_client()
-                if e.code() == Code.INVALID_ARGUMENT and not relay.received:
+                if e.code() == Code.INVALID_ARGUMENT:  # the request's fault, on any D
                     self._abort(Code.INVALID_ARGUMENT, e.details())
                 full = e.code() == Code.RESOURCE_EXHAUSTED  # busy, not down: try another
                 down = not full and (watch is not None and watch.dead

@@ -10,6 +10,7 @@ import grpc
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.router.wire_names import MAX_WIRE_REQUEST_ID_CHARS, check_request_id
 from pdserve.sampling_params import RequestOutputKind
+from pdserve.structured_outputs import is_constraint_error
 from pdserve.services.grpc_server import service_name
 from pdserve.services.instance import Instance, add_instance_args, run_instance
 from pdserve.services.stream_wait import abort_when_done, next_output
@@ -58,7 +59,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             except RuntimeError as e:
                 context.abort(grpc.StatusCode.INTERNAL, str(e))
             if out.error:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {out.error}")
+                code = (grpc.StatusCode.INVALID_ARGUMENT if is_constraint_error(out.error)
+                        else grpc.StatusCode.UNAVAILABLE)
+                context.abort(code, f"request {rid}: {out.error}")
             for i, c in enumerate(out.outputs):
                 completion_tokens += len(c.token_ids)
                 msg = common_pb2.GenerateResponse(

@@ -11,6 +11,7 @@ import grpc
 from pdserve.proto.pdserve.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.router.wire_names import MAX_WIRE_REQUEST_ID_CHARS, check_request_id
 from pdserve.sampling_params import RequestOutputKind
+from pdserve.structured_outputs import is_constraint_error
 from pdserve.services.grpc_server import service_name
 from pdserve.services.instance import Instance, add_instance_args, run_instance
 from pdserve.services.stream_wait import abort_when_done, next_output
@@ -47,6 +48,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             out = next_output(stream, context)
         except RuntimeError as e:
             context.abort(grpc.StatusCode.INTERNAL, str(e))
+        if out.error and is_constraint_error(out.error):  # the request's own constraint
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {out.error}")
         return self._response(rid, out, user_max_tokens, bool(params.stop))
 
     def _response(self, rid, out, user_max_tokens, has_stop_strings):

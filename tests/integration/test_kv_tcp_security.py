@@ -178,3 +178,29 @@ def test_a_producer_that_trickles_its_reply_fails_the_read_in_time():
             assert time.monotonic() - start < 10
     finally:
         listener.close()
+
+
+def test_a_read_larger_than_one_send_chunk_arrives_exact():
+    """A tcp producer copies and sends a reply a chunk of blocks at a time, plane by plane,
+    checking the lease before each: 150 scattered blocks (three chunks a plane) arrive exact."""
+    import random
+
+    from pdserve.kv_transfer import make_transport
+    from pdserve.kv_transfer.tcp_transport import SEND_CHUNK_BLOCKS
+
+    layout = KVLayout(**{**LAYOUT_F32, "num_blocks": 200})
+    producer = make_transport("tcp", "prefill-chunks")
+    producer.allocate_kv_cache(layout)
+    producer.kv_cache.copy_(torch.randn(producer.kv_cache.shape))
+    remote = random.Random(3).sample(range(200), 150)
+    local = random.Random(4).sample(range(200), 150)
+    assert len(remote) > 2 * SEND_CHUNK_BLOCKS
+    try:
+        desc = producer.serve()
+        token = producer.grant("chunks", remote)
+        with consumer("tcp", LAYOUT_F32, num_blocks=200, timeout_s=3.0) as dec:
+            assert dec.read_blocks(desc, remote, local, ("chunks", token)) == \
+                len(remote) * layout.block_bytes
+            assert torch.equal(dec.kv_cache[:, :, local], producer.kv_cache[:, :, remote])
+    finally:
+        producer.close()

@@ -92,3 +92,19 @@ def test_malformed_constraint_is_invalid_argument(cluster):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     tokens, text, _ = generate(cluster, CONSTRAINTS["regex"][0], temperature=0)  # still serving
     CONSTRAINTS["regex"][2](text)
+
+
+@pytest.mark.parametrize("structured, sampling", [
+    (common_pb2.StructuredOutputs(grammar='root ::= root "a"'), {}),  # accepts no text
+    (common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=["a"])),
+     {"min_tokens": 10}),  # after "a" only the end, which min_tokens bans
+])
+def test_a_constraint_no_output_can_satisfy_is_invalid_argument(cluster, structured, sampling):
+    """The request's own fault, wherever it shows (on P's first token or mid-stream on D):
+    INVALID_ARGUMENT naming structured_outputs, and the cluster serves on."""
+    with pytest.raises(grpc.RpcError) as e:
+        generate(cluster, structured, temperature=0, **sampling)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs" in e.value.details()
+    tokens, text, _ = generate(cluster, CONSTRAINTS["regex"][0], temperature=0)
+    CONSTRAINTS["regex"][2](text)
