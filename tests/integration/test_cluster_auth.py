@@ -206,6 +206,14 @@ def test_oversized_or_forging_ids_are_refused_naming_the_field(cluster, want):
     refusals.append(("request_id", lambda: list(decode.Decode(engine_pb2.DecodeRequest(
         request_id="d" * 1000, prompt_token_ids=PROMPT, sampling=GREEDY), timeout=30,
         metadata=member))))
+    prefill = engine_pb2_grpc.PrefillStub(
+        grpc.insecure_channel(cluster.child("prefill-0").address))
+    refusals.append(("cache_salt", lambda: prefill.Prefill(engine_pb2.PrefillRequest(
+        request_id="salted", prompt_token_ids=PROMPT, sampling=GREEDY, cache_salt="s" * 300),
+        timeout=30, metadata=member)))
+    refusals.append(("cache_salt", lambda: list(decode.Decode(engine_pb2.DecodeRequest(
+        request_id="salted", prompt_token_ids=PROMPT, sampling=GREEDY, cache_salt="s" * 300),
+        timeout=30, metadata=member))))
     for field, call in refusals:
         with pytest.raises(grpc.RpcError) as e:
             call()
