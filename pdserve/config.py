@@ -51,6 +51,7 @@ class ModelConfig:
     seed: int = 0
     # (SamplingParams field, value): the model's recommended settings (generation_defaults.py)
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
+    max_tokens_cap: int | None = None  # what a served request may ask for at most (None: any)
     tokenizer: TokenizerConfig | None = None  # None: the model's own, as is
     max_logprobs: int = 20  # per position, for logprobs and prompt_logprobs; -1: no cap
     served_model_name: tuple[str, ...] = ()  # names the API answers to; () means `model`

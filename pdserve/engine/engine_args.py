@@ -84,7 +84,7 @@ class EngineArgs:
         """Resolve the model and check every option: the engine's frozen configuration."""
         from pdserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
                                     SchedulerConfig)
-        from pdserve.engine.generation_defaults import sampling_defaults
+        from pdserve.engine.generation_defaults import max_tokens_cap, sampling_defaults
 
         resolved = resolve_model(self.model)
         vllm_args.check_args(self, resolved)
@@ -94,14 +94,17 @@ class EngineArgs:
         if not 1 < max_len <= arch.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {arch.max_position_embeddings}], "
                              f"got {max_len}")
+        defaults = sampling_defaults(resolved, self.generation_config,
+                                     self.override_generation_config)
         model = ModelConfig(
             model=self.model, resolved=resolved, arch=arch,
             dtype=ModelConfig.resolve_dtype(self.dtype, arch, device.device),
             max_model_len=max_len, seed=self.seed,
             tokenizer=self.create_tokenizer_config(resolved), max_logprobs=self.max_logprobs,
             served_model_name=vllm_args.served_names(self.served_model_name),
-            sampling_defaults=sampling_defaults(resolved, self.generation_config,
-                                                self.override_generation_config))
+            sampling_defaults=defaults,
+            max_tokens_cap=max_tokens_cap(defaults, self.generation_config,
+                                          self.override_generation_config))
         cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization, self.enable_prefix_caching,
                             self.kv_cache_memory_fraction, self.kv_cache_prefault)

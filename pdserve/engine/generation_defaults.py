@@ -1,10 +1,14 @@
 """The model's recommended sampling settings, read as vLLM reads them: from its
 generation_config.json (the fields it sets away from transformers' defaults), for requests
 that leave a setting unset. `generation_config="vllm"` ignores the model's file, a folder path
-reads that folder's instead; `override_generation_config` sets fields on top of either."""
+reads that folder's instead; `override_generation_config` sets fields on top of either. A model
+without generation_config.json falls back to the generation fields of its config.json, as
+vLLM's does. Served requests have their max_tokens capped as vLLM's server caps them
+(`max_tokens_cap`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,13 +52,36 @@ def sampling_defaults(resolved: ResolvedModel, generation_config: str = "auto",
     return pairs
 
 
+def max_tokens_cap(defaults: SamplingDefaults, generation_config: str = "auto",
+                   override: Mapping[str, Any] | None = None) -> int | None:
+    """The most tokens a served request may ask for, as vLLM's server: a generation config
+    read from a folder the user named, or an override's max_new_tokens, caps even an explicit
+    max_tokens; the model's own file only fills an unset one. None: no cap."""
+    named = generation_config not in ("auto", "vllm")
+    if not named and (override or {}).get("max_new_tokens") is None:
+        return None
+    return dict(defaults).get("max_tokens")
+
+
 def _read(folder: str, asked: bool) -> dict[str, Any]:
-    """What generation_config.json in `folder` sets away from transformers' defaults ({}
-    when there is none: a .gguf model, or a folder without one, unless it was asked for)."""
-    if not (Path(folder) / "generation_config.json").is_file():
-        if asked:
-            raise ValueError(f"generation_config: no generation_config.json in {folder!r}")
-        return {}
+    """What generation_config.json in `folder` (or, without one, config.json's generation
+    fields) sets away from transformers' defaults ({} when there is neither: a .gguf model,
+    unless the folder was asked for)."""
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_pretrained(folder, local_files_only=True).to_diff_dict()
+    if (Path(folder) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(folder, local_files_only=True).to_diff_dict()
+    if (Path(folder) / "config.json").is_file():
+        # NOTE: read as a dict: a config class may drop the sampling fields it does not use
+        try:
+            model_config = json.loads((Path(folder) / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"generation_config: config.json in {folder!r} is not "
+                             f"readable JSON ({e})") from None
+        if not isinstance(model_config, dict):
+            raise ValueError(f"generation_config: config.json in {folder!r} is not an object")
+        return GenerationConfig.from_model_config(model_config).to_diff_dict()
+    if asked:
+        raise ValueError(f"generation_config: no generation_config.json or config.json in "
+                         f"{folder!r}")
+    return {}

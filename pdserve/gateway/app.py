@@ -202,7 +202,7 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
     metrics = metrics or GatewayMetrics(model_name)
     ctx = ServingContext(backend, tokenizer, model_name, info.max_model_len, metrics,
                          info.max_logprobs if max_logprobs is None else max_logprobs,
-                         tool_parser, dict(info.sampling_defaults))
+                         tool_parser, dict(info.sampling_defaults), info.max_tokens_cap)
     admission = Admission(max_concurrency)
     served_names = {*names, info.id, info.root}
     created = int(time.time())

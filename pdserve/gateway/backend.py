@@ -121,6 +121,7 @@ class ModelInfo:
     # (SamplingParams field, value): the model's recommended settings, for requests that
     # leave them unset (engine/generation_defaults.py)
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
+    max_tokens_cap: int | None = None  # the most max_tokens a request gets (None: no cap)
 
 
 @dataclass(frozen=True)

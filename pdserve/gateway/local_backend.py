@@ -128,7 +128,7 @@ class LocalBackend(Backend):
     def models(self) -> list[ModelInfo]:
         cfg = self.engine.config.model
         return [ModelInfo(self.model, cfg.resolved.path, cfg.max_model_len, cfg.max_logprobs,
-                          cfg.sampling_defaults)]
+                          cfg.sampling_defaults, cfg.max_tokens_cap)]
 
     def load_tokenizer(self):
         """The engine's tokenizer (its path, mode and chat template), as a second instance:

@@ -60,10 +60,11 @@ class RouterBackend(Backend):
     supports_prompt_logprobs = True  # on the router's first message
     def __init__(self, address: str, model: str, max_model_len: int | None = None,
                  timeout_s: float | None = None, credentials: Credentials | None = None,
-                 sampling_defaults: tuple = ()):
+                 sampling_defaults: tuple = (), max_tokens_cap: int | None = None):
         """`model`: the name or path the instances serve (its tokenizer and context length);
-        `sampling_defaults`: its recommended settings, as ModelInfo's."""
+        `sampling_defaults`, `max_tokens_cap`: its recommended settings, as ModelInfo's."""
         self.sampling_defaults = tuple(sampling_defaults)
+        self.max_tokens_cap = max_tokens_cap
         if max_model_len is None:
             from pdserve.models.loader import load_arch, resolve_model
 
@@ -146,7 +147,8 @@ class RouterBackend(Backend):
 
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(self.model, self.model, self.max_model_len,
-                          sampling_defaults=self.sampling_defaults)]
+                          sampling_defaults=self.sampling_defaults,
+                          max_tokens_cap=self.max_tokens_cap)]
 
     async def stats(self) -> BackendStats:
         listed = await self._list_response()

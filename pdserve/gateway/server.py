@@ -119,13 +119,15 @@ def build_serve_app(args: argparse.Namespace):
         tok = engine_args.create_tokenizer_config(resolved)
         from pdserve.services.auth import credentials_from_args
 
-        from pdserve.engine.generation_defaults import sampling_defaults
+        from pdserve.engine.generation_defaults import max_tokens_cap, sampling_defaults
 
         defaults = sampling_defaults(resolved, engine_args.generation_config,
                                      engine_args.override_generation_config)
+        cap = max_tokens_cap(defaults, engine_args.generation_config,
+                             engine_args.override_generation_config)
         backend = RouterBackend(args.router, engine_args.model, engine_args.max_model_len,
                                 credentials=credentials_from_args(args),
-                                sampling_defaults=defaults)
+                                sampling_defaults=defaults, max_tokens_cap=cap)
         tokenizer = load_tokenizer(tok.source, tok.mode, tok.chat_template)
         names = vllm_args.served_names(engine_args.served_model_name) or (engine_args.model,)
         description = f"{names[0]} through the router at {args.router}"

@@ -27,6 +27,8 @@ class ServingContext:
     tool_parser: str | None = None  # tool_choice "auto" reads calls with it (None: refused)
     # The model's recommended sampling settings, for requests that leave them unset.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # The most max_tokens a request gets, even one that asks for more (None: no cap).
+    max_tokens_cap: int | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, as the engine's input processor makes them."""
@@ -52,7 +54,8 @@ class ServingContext:
 
     def max_tokens(self, prompt_len: int, requested: int | None, what: str = "prompt") -> int:
         """`requested`, checked against the room left in the context; if None, the room, or
-        the model's recommended max_tokens when that is less (as vLLM)."""
+        the model's recommended max_tokens when that is less; either at most
+        `max_tokens_cap` (as vLLM's server)."""
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise bad_request(
@@ -65,6 +68,8 @@ class ServingContext:
                 f"max_tokens: this model's maximum context length is {self.max_model_len} "
                 f"tokens; you requested {prompt_len + requested} tokens ({prompt_len} in the "
                 f"{what}, {requested} in the completion)", "max_tokens")
+        if isinstance(requested, int) and self.max_tokens_cap is not None:
+            return min(requested, self.max_tokens_cap)
         return requested
 
 

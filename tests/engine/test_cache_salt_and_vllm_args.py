@@ -149,3 +149,46 @@ def test_default_sampling_params_come_from_the_generation_config(recommending_mo
     with pytest.raises(ValueError, match="generation_config"):
         LLM(str(recommending_model), kv_cache_memory_bytes=4 << 20,
             generation_config=str(recommending_model / "missing"))
+
+
+def test_which_generation_settings_cap_a_served_max_tokens(recommending_model, tmp_path):
+    """As vLLM's server: the model's own max_new_tokens fills an unset max_tokens only; an
+    override's, or that of a generation config named by path, caps every request."""
+    from pdserve.engine.generation_defaults import max_tokens_cap, sampling_defaults
+    from pdserve.models.loader import resolve_model
+
+    model = resolve_model(str(recommending_model))
+    own = sampling_defaults(model)
+    assert dict(own)["max_tokens"] == 7 and max_tokens_cap(own) is None
+    over = {"max_new_tokens": 3}
+    assert max_tokens_cap(sampling_defaults(model, "auto", over), "auto", over) == 3
+    assert max_tokens_cap(sampling_defaults(model, "vllm", over), "vllm", over) == 3
+    named = sampling_defaults(model, str(recommending_model))
+    assert max_tokens_cap(named, str(recommending_model)) == 7
+    assert max_tokens_cap(sampling_defaults(model, "vllm"), "vllm") is None
+    engine = LLM(str(recommending_model), kv_cache_memory_bytes=4 << 20,
+                 override_generation_config=over).llm_engine
+    assert engine.config.model.max_tokens_cap == 3
+
+
+def test_without_generation_config_json_config_json_recommends(tiny_model_dir, tmp_path):
+    """As vLLM: a model folder without generation_config.json takes the generation fields of
+    its config.json; an unreadable one names the option."""
+    import json
+
+    for f in tiny_model_dir.iterdir():
+        if f.name != "generation_config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "temperature": 0.4,
+                                                      "max_new_tokens": 6}))
+    params = LLM(str(tmp_path), kv_cache_memory_bytes=4 << 20).get_default_sampling_params()
+    assert (params.temperature, params.max_tokens) == (0.4, 6)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text("{not json")
+    from pdserve.engine.generation_defaults import sampling_defaults
+    from pdserve.models.loader import ResolvedModel
+
+    with pytest.raises(ValueError, match="generation_config"):
+        sampling_defaults(ResolvedModel(str(tmp_path), None, "tiny"), str(tmp_path))

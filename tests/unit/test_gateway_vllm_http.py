@@ -191,3 +191,32 @@ def test_the_models_recommended_settings_fill_what_a_request_leaves_unset():
         assert r.status_code == 200, r.text
         params = backend.started[-1][2]
         assert (params.temperature, params.top_k, params.max_tokens) == (0.1, 20, 9)
+
+
+def test_an_override_max_new_tokens_caps_even_an_explicit_max_tokens():
+    """As vLLM's server: override_generation_config's max_new_tokens (or a generation config
+    the user named) caps every request's max_tokens; an over-long request is still a 400."""
+    from pdserve.gateway.backend import ModelInfo
+
+    class Capped(FakeBackend):
+        def models(self):
+            return [ModelInfo("fake", "/models/fake", MAX_MODEL_LEN,
+                              sampling_defaults=(("max_tokens", 5),), max_tokens_cap=5)]
+
+    backend = Capped()
+    app = build_app(backend, "fake-model", API_KEY, tokenizer=SizedCharTokenizer(),
+                    close_backend=False)
+    with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        for asked, given in ((9, 5), (3, 3), (None, 5)):
+            r = c.post("/v1/completions", json={"model": "fake-model", "prompt": "hi",
+                                                "max_tokens": asked})
+            assert r.status_code == 200, r.text
+            assert backend.started[-1][2].max_tokens == given
+        r = c.post("/v1/chat/completions", json={
+            "model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 40})
+        assert r.status_code == 200, r.text
+        assert backend.started[-1][2].max_tokens == 5
+        r = c.post("/v1/completions", json={"model": "fake-model", "prompt": "hi",
+                                            "max_tokens": MAX_MODEL_LEN + 1})
+        assert error(r, 400)["param"] == "max_tokens"
