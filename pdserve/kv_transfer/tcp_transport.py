@@ -49,6 +49,7 @@ REPLY = struct.Struct("!BQ")
 MAX_REQUEST_BYTES = 1 << 24
 MAX_HANDSHAKE_BYTES = 256  # HELLO and AUTH frames: read before the peer is known
 MAX_CONNECTIONS = 256  # accepted at once; more are closed at once
+MAX_PEERS = 64  # producer connections a reader keeps open; the least recently used closes
 MIN_READ_RATE = 10 << 20  # bytes/s: a slower producer's read fails (on top of timeout_s)
 SEND_CHUNK_BLOCKS = 64  # blocks copied at a time for a reply (bounded staging memory)
 MAX_ERROR_BYTES = 1 << 16  # a producer's refusal is a short message
@@ -323,8 +324,9 @@ class TcpTransport(KVTransport):
             done += n
 
     def _connect(self, key: tuple[str, int, str]) -> socket.socket:
-        conn = self._peers.get(key)
+        conn = self._peers.pop(key, None)
         if conn is not None:
+            self._peers[key] = conn  # now the most recently used
             return conn
         host, port, engine_id = key
         try:
@@ -352,6 +354,8 @@ class TcpTransport(KVTransport):
         except (OSError, ConnectionError) as e:
             raise KVTransferError(f"cannot reach producer {engine_id!r} at {host}:{port}: "
                                   f"{type(e).__name__}: {e}") from e
+        while len(self._peers) >= MAX_PEERS:  # descriptors may name any address
+            self._drop(next(iter(self._peers)))
         self._peers[key] = conn
         return conn
 

@@ -25,29 +25,39 @@ CHANNEL_OPTIONS = [
 
 class ChannelPool:
     """Cached channels by address, and stubs over them; every call carries the cluster
-    secret of `credentials` (when there is one)."""
+    secret of `credentials` (when there is one).
 
-    def __init__(self, credentials: Credentials = Credentials()):
+    NOTE: grpc crashes the process when a stub is built over a closed channel, so stubs are
+    built, and channels closed, under one lock: build stubs with `stub` (or `prefill`,
+    `decode`, `pooling`), not over a channel from `get` whose address may be discarded."""
+
+    def __init__(self, credentials: Credentials = Credentials(),
+                 max_channels: int | None = None):
+        """`max_channels`: keep at most this many open, closing the least recently used
+        (None: no bound, for addresses the caller bounds itself)."""
         self.credentials = credentials
+        self.max_channels = max_channels
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
     def get(self, address: str) -> grpc.Channel:
+        """The channel to `address`, opened if needed (for an address never discarded)."""
         with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = internal_channel(address, self.credentials, CHANNEL_OPTIONS)
-                self._channels[address] = channel
-            return channel
+            return self._channel(address)
+
+    def stub(self, address: str, service: str):
+        """A stub of `service` ("prefill", "decode", "pooling") over `address`'s channel."""
+        with self._lock:
+            return STUBS[service](self._channel(address))
 
     def prefill(self, address: str) -> engine_pb2_grpc.PrefillStub:
-        return engine_pb2_grpc.PrefillStub(self.get(address))
+        return self.stub(address, "prefill")
 
     def decode(self, address: str) -> engine_pb2_grpc.DecodeStub:
-        return engine_pb2_grpc.DecodeStub(self.get(address))
+        return self.stub(address, "decode")
 
     def pooling(self, address: str) -> engine_pb2_grpc.PoolingStub:
-        return engine_pb2_grpc.PoolingStub(self.get(address))
+        return self.stub(address, "pooling")
 
     def addresses(self) -> set[str]:
         """The addresses with an open channel."""
@@ -58,11 +68,24 @@ class ChannelPool:
         """Close the channel to `address`, if there is one (a later `get` opens a new one)."""
         with self._lock:
             channel = self._channels.pop(address, None)
-        if channel is not None:
-            channel.close()
+            if channel is not None:
+                channel.close()
 
     def close(self) -> None:
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+            for channel in channels:
+                channel.close()
+
+    def _channel(self, address: str) -> grpc.Channel:  # under the lock
+        channel = self._channels.pop(address, None)
+        if channel is None:
+            channel = internal_channel(address, self.credentials, CHANNEL_OPTIONS)
+            while self.max_channels and len(self._channels) >= self.max_channels:
+                self._channels.pop(next(iter(self._channels))).close()
+        self._channels[address] = channel  # the most recently used last
+        return channel
+
+
+STUBS = {"prefill": engine_pb2_grpc.PrefillStub, "decode": engine_pb2_grpc.DecodeStub,
+         "pooling": engine_pb2_grpc.PoolingStub}

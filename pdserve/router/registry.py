@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 
-from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2_grpc
+from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.scorers.base import InstanceView
 from pdserve.router.wire_names import check_instance_id
 
@@ -210,19 +211,20 @@ class Registry:
 class StaticPoller:
     """Polls static instances' `GetLoad` on a thread, feeding the registry.
 
-    `targets` are (address, role) pairs; `channel_for(address)` gives a cached channel.
+    `targets` are (address, role) pairs; `stub_for(address, role)` gives a stub over a cached
+    channel (ChannelPool.stub).
     Polls run concurrently (futures), so a dead instance does not delay the others.
     """
 
     def __init__(self, registry: Registry, targets: Sequence[tuple[str, str]],
-                 channel_for: Callable[[str], grpc.Channel], poll_interval_s: float = 0.5,
+                 stub_for: Callable[[str, str], Any], poll_interval_s: float = 0.5,
                  timeout_s: float = 1.0):
         for address, role in targets:
             if role not in ("prefill", "decode"):
                 raise ValueError(f"static instance {address}: role must be prefill or decode")
         self.registry = registry
         self.targets = list(targets)
-        self.channel_for = channel_for
+        self.stub_for = stub_for
         self.poll_interval_s = poll_interval_s
         self.timeout_s = min(timeout_s, max(poll_interval_s, 0.2) * 2)
         self._ids: dict[str, str] = {}  # address -> instance id of its last answer
@@ -241,10 +243,9 @@ class StaticPoller:
 
     def poll_once(self) -> None:
         """Ask every target once and wait (bounded) for the answers."""
-        stubs = {"prefill": engine_pb2_grpc.PrefillStub, "decode": engine_pb2_grpc.DecodeStub}
         pending: list[tuple[str, str, float, Future]] = []
         for address, role in self.targets:
-            stub = stubs[role](self.channel_for(address))
+            stub = self.stub_for(address, role)
             started = self.registry.clock()
             pending.append((address, role, started,
                             stub.GetLoad.future(common_pb2.LoadRequest(), timeout=self.timeout_s)))

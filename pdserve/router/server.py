@@ -127,7 +127,7 @@ class RouterServer:
         self.core = RouterCore(config, registry, Planner(config, registry, self.index.match),
                                channels, tokenizer)
         targets = [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode]
-        self.poller = StaticPoller(registry, targets, channels.get, config.poll_interval_s)
+        self.poller = StaticPoller(registry, targets, channels.stub, config.poll_interval_s)
         self.grpc = GrpcServer(host, port, config.max_requests_in_flight,
                                ("/pdserve.v1.Router/Generate", "/pdserve.v1.Router/Embed"),
                                credentials=credentials)

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 LONG_METHODS = ("/pdserve.v1.Prefill/Prefill", "/pdserve.v1.Decode/Decode",
                 "/pdserve.v1.Pooling/Embed")
 MAX_REQUESTS_IN_FLIGHT = 512
+MAX_RELEASE_CHANNELS = 64  # channels to prefill instances kept open for Release calls
 
 
 class Instance:
@@ -49,6 +50,8 @@ class Instance:
         self.instance_id = check_instance_id(instance_id or f"{role}-{uuid.uuid4().hex[:8]}",
                                              "--instance-id")
         self.channels = ChannelPool(credentials)
+        # Release calls go to the addresses handles name: a caller may name many.
+        self.release_channels = ChannelPool(credentials, max_channels=MAX_RELEASE_CHANNELS)
         self._lock = threading.Lock()
         self._releases: set = set()  # Release calls in flight (decode side)
         self.server = GrpcServer(host, port, max_requests_in_flight, LONG_METHODS,
@@ -93,7 +96,7 @@ class Instance:
         KV loads of other requests, which run on the same threads."""
         if not handle.release_address:
             return
-        future = self.channels.prefill(handle.release_address).Release.future(
+        future = self.release_channels.prefill(handle.release_address).Release.future(
             engine_pb2.ReleaseRequest(request_id=handle.request_id), timeout=2)
         with self._lock:
             self._releases.add(future)  # NOTE: a gRPC future dropped early cancels its call
@@ -152,6 +155,7 @@ class Instance:
         self.loop.stop()
         self.connector.close()
         self.channels.close()
+        self.release_channels.close()
         if self.index:
             self.index.close()
 

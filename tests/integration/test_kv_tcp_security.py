@@ -204,3 +204,25 @@ def test_a_read_larger_than_one_send_chunk_arrives_exact():
             assert torch.equal(dec.kv_cache[:, :, local], producer.kv_cache[:, :, remote])
     finally:
         producer.close()
+
+
+def test_a_reader_keeps_a_bounded_number_of_producer_connections(monkeypatch):
+    """Descriptors may name any producer: past MAX_PEERS the least recently used connection
+    closes, and a later read from it connects again."""
+    from pdserve.kv_transfer import tcp_transport
+
+    monkeypatch.setattr(tcp_transport, "MAX_PEERS", 1)
+    first, second = Producer("tcp", LAYOUT_F32, seed=11), Producer("tcp", LAYOUT_F32, seed=12)
+    try:
+        with consumer("tcp", LAYOUT_F32, timeout_s=3.0) as dec:
+            assert dec.read_blocks(first.descriptor, [1], [0], first.lease) > 0
+            [old] = dec._peers.values()
+            assert dec.read_blocks(second.descriptor, [2], [1], second.lease) > 0
+            assert old.fileno() == -1  # closed
+            assert [key[2] for key in dec._peers] == [second.descriptor["engine_id"]]
+            assert dec.read_blocks(first.descriptor, [3], [2], first.lease) > 0
+            assert torch.equal(dec.kv_cache[:, :, [0, 2]], first.expected()[:, :, [1, 3]])
+            assert torch.equal(dec.kv_cache[:, :, 1], second.expected()[:, :, 2])
+    finally:
+        first.stop()
+        second.stop()

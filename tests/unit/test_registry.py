@@ -196,14 +196,11 @@ def test_static_poller_over_grpc(reg):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     address = f"127.0.0.1:{port}"
-    channels = {}
-
-    def channel_for(addr):
-        return channels.setdefault(addr, grpc.insecure_channel(addr))
+    channels = ChannelPool()
 
     # A second target nobody listens on: its poll fails fast and registers nothing.
     dead = "127.0.0.1:1"
-    poller = StaticPoller(reg, [(address, "decode"), (dead, "decode")], channel_for,
+    poller = StaticPoller(reg, [(address, "decode"), (dead, "decode")], channels.stub,
                           poll_interval_s=0.1, timeout_s=1.0)
     try:
         poller.poll_once()
@@ -214,8 +211,7 @@ def test_static_poller_over_grpc(reg):
         assert reg.live() == []
     finally:
         server.stop(0)
-        for ch in channels.values():
-            ch.close()
+        channels.close()
 
 
 def test_a_static_instance_restarted_with_a_new_id_replaces_its_entry(reg):
@@ -225,7 +221,7 @@ def test_a_static_instance_restarted_with_a_new_id_replaces_its_entry(reg):
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     channels = ChannelPool()
-    poller = StaticPoller(reg, [(address, "decode")], channels.get, poll_interval_s=0.1)
+    poller = StaticPoller(reg, [(address, "decode")], channels.stub, poll_interval_s=0.1)
     try:
         for k in range(3):  # each restart picks a new id, as instances do by default
             servicer.instance_id = f"decode-{k}"
@@ -239,7 +235,7 @@ def test_a_static_instance_restarted_with_a_new_id_replaces_its_entry(reg):
 
 def test_static_poller_rejects_bad_role(reg):
     with pytest.raises(ValueError, match="role"):
-        StaticPoller(reg, [("127.0.0.1:1", "router")], grpc.insecure_channel)
+        StaticPoller(reg, [("127.0.0.1:1", "router")], ChannelPool().stub)
 
 
 class _SlowHandshakeProxy:
@@ -302,7 +298,7 @@ def test_a_static_instance_slow_to_handshake_comes_back_after_a_failed_call():
     proxy = _SlowHandshakeProxy(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     channels, reg = ChannelPool(), Registry(ttl_s=3.0)
-    poller = StaticPoller(reg, [(proxy.address, "decode")], channels.get, poll_interval_s=0.5)
+    poller = StaticPoller(reg, [(proxy.address, "decode")], channels.stub, poll_interval_s=0.5)
     try:
         poller.poll_once()
         assert [i.id for i in reg.live()] == ["dec-a"]
