@@ -30,7 +30,7 @@ from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.parent_watch import PARENT_ENV
 from pdserve.ports import pick_free_port
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
-from pdserve.services.auth import SECRET_ENV, Credentials, internal_channel
+from pdserve.services.auth import API_KEY_ENV, SECRET_ENV, Credentials, internal_channel
 
 CPU_SHARING = ("turns", "split", "shared")  # ClusterSpec.cpu_sharing
 # `pdserve up`'s --disagg-min-running where prefill and decode compute on the same cores: a
@@ -80,7 +80,7 @@ class ClusterSpec:
     cpu_cores: tuple[int, ...] | None = None
     cpu_sharing: str = "turns"
     http_port: int | None = None  # the OpenAI-format gateway in front of the router (None: none)
-    api_key: str | None = None  # the gateway's Bearer key
+    api_key: str | None = None  # the gateway's Bearer key (in its environment, never argv)
     log_level: str = "info"  # every process's --log-level and --log-format
     log_format: str = "text"
     # The internal plane's secret, given to every child in its environment (never argv);
@@ -116,6 +116,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     argv: list[str] = field(default_factory=list)  # what started it (a restart reuses it)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # its own, beyond the rest
     restarts: int = 0
 
     def tail(self, lines: int = 20) -> str:
@@ -206,9 +207,8 @@ class Cluster:
             gateway_cmd = ["serve", "--router", self.router_address, "--model", s.model,
                            "--host", s.host, "--port", self.http_address.rsplit(":", 1)[1],
                            *s.gateway_args]
-            if s.api_key:
-                gateway_cmd += ["--api-key", s.api_key]
-            self._spawn("gateway", "gateway", self.http_address, gateway_cmd)
+            self._spawn("gateway", "gateway", self.http_address, gateway_cmd,
+                        {API_KEY_ENV: s.api_key} if s.api_key else {})
         for (name, role), cpu_flags in zip(planned, self._cpu_flags(len(planned))):
             cmd = [role, "--model", s.model, "--host", s.host,
                    "--port", addresses[name].rsplit(":", 1)[1], "--connector", s.connector,
@@ -234,14 +234,17 @@ class Cluster:
             flags += ["--cpu-turns", str(self.log_dir / "cpu-turns")]
         return [flags] * num_engines
 
-    def _spawn(self, name: str, role: str, address: str, args: list[str]) -> None:
+    def _spawn(self, name: str, role: str, address: str, args: list[str],
+               env: dict[str, str] | None = None) -> None:
         log_path = self.log_dir / f"{name}.log"
         args = [*args, "--log-level", self.spec.log_level, "--log-format", self.spec.log_format]
         argv = [sys.executable, "-m", "pdserve.cli", *args]
-        self.children.append(Child(name, role, address, self._popen(argv, log_path, "wb"),
-                                   log_path, argv))
+        env = env or {}
+        self.children.append(Child(name, role, address, self._popen(argv, log_path, "wb", env),
+                                   log_path, argv, env))
 
-    def _popen(self, argv: list[str], log_path: Path, mode: str) -> subprocess.Popen:
+    def _popen(self, argv: list[str], log_path: Path, mode: str,
+               env: dict[str, str]) -> subprocess.Popen:
         if threading.current_thread() is not threading.main_thread():
             # Linux ties the parent-death signal to the thread that forked, not the process:
             # children started here would get SIGTERM when this thread ends.
@@ -252,14 +255,14 @@ class Cluster:
             return subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=_die_with_parent(),  # noqa: PLW1509
-                env=self._child_env())
+                env={**self._child_env(), **env})
 
     def restart(self, child: Child) -> None:
         """Start an exited child again, as before (same arguments and port; its log goes
         on): an instance reloads its model and is routable once the router hears from it."""
         if child.proc.poll() is None:
             raise ValueError(f"{child.name} is still running")
-        child.proc = self._popen(child.argv, child.log_path, "ab")
+        child.proc = self._popen(child.argv, child.log_path, "ab", child.env)
         child.restarts += 1
 
     def _child_env(self) -> dict[str, str]:

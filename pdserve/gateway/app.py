@@ -177,7 +177,8 @@ def _install_error_handlers(app: FastAPI) -> None:
                                         "internal_error", code="internal_error"))
 
 
-def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | None = None,
+def build_app(backend: Backend, model_name: str | Sequence[str],
+              api_key: str | Sequence[str] | None = None,
               *, tokenizer=None, max_logprobs: int | None = None,
               tool_parser: str | None = None,
               max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
@@ -217,7 +218,8 @@ def build_app(backend: Backend, model_name: str | Sequence[str], api_key: str | 
                   lifespan=lifespan)
     app.state.ctx, app.state.admission = ctx, admission
     app.state.warned_fields = set()
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+    api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    app.add_middleware(GuardMiddleware, api_keys=api_keys, max_body_bytes=max_body_bytes,
                        metrics=metrics)
     _install_error_handlers(app)
     install_openapi(app)

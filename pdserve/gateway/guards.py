@@ -46,9 +46,11 @@ class GuardMiddleware:
     """Before routing: the API key (on PROTECTED_PATHS), then the body size (read fully,
     replayed); counts error statuses."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics):
-        self.app, self.api_key, self.max_body_bytes, self.metrics = (
-            app, api_key, max_body_bytes, metrics)
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int,
+                 metrics: GatewayMetrics):
+        """`api_keys`: any of them is accepted (none: /v1/* is open)."""
+        self.app, self.api_keys, self.max_body_bytes, self.metrics = (
+            app, tuple(k.encode() for k in api_keys), max_body_bytes, metrics)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -59,7 +61,7 @@ class GuardMiddleware:
                 self.metrics.rejected(message["status"])
             await send(message)
 
-        if (self.api_key and scope["path"].startswith(PROTECTED_PATHS)
+        if (self.api_keys and scope["path"].startswith(PROTECTED_PATHS)
                 and not self._authorized(scope)):
             return await _send_error(counting_send, APIError(
                 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -83,8 +85,10 @@ class GuardMiddleware:
     def _authorized(self, scope) -> bool:
         headers = dict(scope["headers"])
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(
-            token.strip().encode(), self.api_key.encode())
+        given = token.strip().encode()
+        # Every key is compared, so the time taken does not tell which one nearly matched.
+        matches = [secrets.compare_digest(given, key) for key in self.api_keys]
+        return scheme.lower() == "bearer" and any(matches)
 
 
 def _replay(body: bytes, receive):

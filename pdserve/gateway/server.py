@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -25,7 +26,7 @@ from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURREN
 from pdserve.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL
-from pdserve.services.auth import add_credential_args
+from pdserve.services.auth import API_KEY_ENV, Credentials, add_credential_args
 
 DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_S = 5
@@ -36,8 +37,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     """The HTTP front's flags (not the engine's)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (off by default)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* (repeatable: any "
+                             f"of them; also ${API_KEY_ENV}, comma-separated; off by default)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="file of accepted API keys, one per line (keeps them off the "
+                             "command line)")
     parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                         help="backend requests in flight (one per prompt, beam or embedding "
                              "input) beyond which new requests get HTTP 429")
@@ -50,6 +55,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                              "tool_choice \"auto\": hermes (<tool_call> JSON blocks) or "
                              "llama3_json (default: none)")
     add_log_args(parser)
+
+
+def gateway_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys /v1/* accepts: $PDSERVE_API_KEY's, --api-key's and --api-key-file's."""
+    return Credentials.load(None, tuple(args.api_key), args.api_key_file, env={
+        API_KEY_ENV: os.environ.get(API_KEY_ENV, "")}).api_keys
 
 
 def tool_parser_from_args(args: argparse.Namespace) -> str | None:
@@ -138,7 +149,7 @@ def build_serve_app(args: argparse.Namespace):
         tokenizer = None  # the backend's: the engine's tokenizer and chat template
         names = backend.engine.config.model.served_model_name or (backend.model,)
         description = backend.engine.describe()
-    app = build_app(backend, names, args.api_key, tokenizer=tokenizer,
+    app = build_app(backend, names, gateway_api_keys(args), tokenizer=tokenizer,
                     max_logprobs=engine_args.max_logprobs,
                     tool_parser=tool_parser_from_args(args),
                     max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes)

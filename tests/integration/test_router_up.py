@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -148,11 +149,25 @@ def test_startup_failure_names_the_process(tmp_path):
     assert "exited with code" in out and "model" in out
 
 
+def http_status(url: str, body: dict, key: str | None, timeout: float = 60) -> int:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def test_a_child_that_dies_is_restarted(tiny_model_dir, tmp_path):
     """`up` supervises: an engine killed (as one whose loop died exits 1) is started again
-    with the same arguments and port, and the cluster serves through it again."""
+    with the same arguments and port, and the cluster serves through it again; a restarted
+    gateway still requires the API key, which no child's command line shows."""
+    key = "sk-up-key-0123456789"
     proc = start_up(tiny_model_dir, tmp_path, "--num-prefill", "1", "--num-decode", "1",
-                    "--disagg-threshold", "16", "--disagg-min-running", "0")
+                    "--disagg-threshold", "16", "--disagg-min-running", "0", "--api-key", key)
     try:
         lines = read_until(proc, "ready", timeout=120)
         endpoints = dict(line.split()[:2] for line in lines[1:-1])
@@ -172,6 +187,21 @@ def test_a_child_that_dies_is_restarted(tiny_model_dir, tmp_path):
                 time.sleep(0.5)  # the new decode instance is still loading
         assert served is not None and served.decode_instance == "decode-0"
         assert decode not in children(proc.pid)
+        cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_text() for pid in children(proc.pid)}
+        assert not any(key in c for c in cmdlines.values())
+        gateway = next(pid for pid, c in cmdlines.items() if "serve" in c.split("\0"))
+        os.kill(gateway, signal.SIGKILL)
+        read_until(proc, "restarted gateway", timeout=30)
+        body = {"model": str(tiny_model_dir), "prompt": "Hello", "max_tokens": 2}
+        url, status = endpoints["http"] + "/completions", None
+        while status is None and time.monotonic() < deadline + 60:
+            try:
+                status = http_status(url, body, key)
+            except OSError:
+                time.sleep(0.5)  # the new gateway is still starting
+        assert status == 200
+        assert http_status(url, body, None) == 401
+        assert http_status(url, body, "sk-wrong-key-0123") == 401
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

@@ -214,10 +214,22 @@ def test_every_pdserve_container_gets_the_cluster_secret(case):
         ref = env.get("PDSERVE_CLUSTER_SECRET", {}).get("valueFrom", {}).get("secretKeyRef")
         assert ref == {"name": "pdserve-secrets", "key": "cluster-secret"}, d["metadata"]["name"]
         api = env.get("PDSERVE_API_KEY", {}).get("valueFrom", {}).get("secretKeyRef")
-        if c["args"][0] == "router" and case == "override":
+        if c["args"][0] in ("router", "serve") and case == "override":  # both check keys
             assert api == {"name": "pdserve-secrets", "key": "api-keys"}
         else:
             assert api is None, d["metadata"]["name"]
+
+
+def test_pods_restart_when_the_secrets_given_values_change():
+    """A rotated cluster secret or new API keys reach every pod (a checksum annotation);
+    the annotation is the same in every workload, so no pod keeps the old secret."""
+    sums = {}
+    for case in CASES:
+        values = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]
+                  ["checksum/secret"] for d, _ in _pdserve_containers(_render(case))}
+        assert len(set(values.values())) == 1, values
+        sums[case] = next(iter(values.values()))
+    assert len(set(sums.values())) == len(CASES)
 
 
 def test_override_values_reach_the_objects():

@@ -46,6 +46,25 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
       key: cluster-secret
 {{- end -}}
 
+{{/*
+A pod annotation that changes when the secret's given values do, so that pods restart with
+them (a generated cluster secret is kept across upgrades: it changes nothing).
+*/}}
+{{- define "pdserve.secretChecksum" -}}
+{{- list .Values.clusterSecret .Values.apiKeys | toJson | sha256sum -}}
+{{- end -}}
+
+{{/* env: the API keys clients must present (comma-separated), when apiKeys is set. */}}
+{{- define "pdserve.apiKeyEnv" -}}
+{{- if .Values.apiKeys -}}
+- name: PDSERVE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.secretName" . }}
+      key: api-keys
+{{- end -}}
+{{- end -}}
+
 {{/* env: one key of the chart's ConfigMap: (dict "ctx" $ "key" "PDSERVE_MODEL"). */}}
 {{- define "pdserve.configEnv" -}}
 - name: {{ .key }}
