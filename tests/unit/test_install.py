@@ -4,7 +4,9 @@ README's commands are the ones setup.sh and CI run."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 
 from install_scripts import PYPROJECT, ROOT, choose_torch, is_installed
 
@@ -89,3 +91,36 @@ def test_readme_setup_and_ci_agree():
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--bogus" in bad.stderr
 
+
+
+def _setup(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts/setup.sh"), *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+
+
+def test_setup_refuses_a_python_that_forbids_pip_installs(tmp_path):
+    """A system Python marked EXTERNALLY-MANAGED (Debian's): setup.sh says to make a virtual
+    environment, before installing anything."""
+    fake = tmp_path / "python3"  # a Python whose stdlib folder carries the marker
+    stdlib = tmp_path / "stdlib"
+    stdlib.mkdir()
+    (stdlib / "EXTERNALLY-MANAGED").write_text("[externally-managed]\n")
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c '\nimport sys, sysconfig\n"
+                    f"sysconfig.get_path = lambda name: \"{stdlib}\"\n"
+                    "sys.base_prefix = sys.prefix\nexec(sys.argv[1])' \"$2\"\n")
+    fake.chmod(0o755)
+    done = _setup(PYTHON=str(fake))
+    assert done.returncode == 2 and "virtual environment" in done.stderr, done.stderr
+    old = tmp_path / "old-python"
+    old.write_text("#!/bin/sh\nexit 1\n")  # fails the version check
+    old.chmod(0o755)
+    done = _setup(PYTHON=str(old))
+    assert done.returncode == 2 and "3.11" in done.stderr
+
+
+def test_setup_says_when_another_torch_build_is_installed():
+    import torch
+
+    other = "--cpu" if torch.version.cuda else "--gpu"
+    done = _setup(other)
+    assert done.returncode == 2 and "uninstall" in done.stderr, done.stderr
