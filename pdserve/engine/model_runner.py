@@ -120,7 +120,8 @@ class ModelRunner:
                 targets = request.prompt_token_ids[start + 1:stop + 1]
                 first = at[t0]  # the chunk's rows up to stop are consecutive rows of hidden
                 logits = self.model.compute_logits(hidden[first:first + stop - start])  # (n', V)
-                out.prompt_logprobs[request.request_id] = prompt_logprobs(logits, targets, k)
+                out.prompt_logprobs[request.request_id] = (start, prompt_logprobs(logits,
+                                                                                  targets, k))
             t0 += chunk.num_tokens
 
     def _tensor(self, values: list) -> torch.Tensor:

@@ -110,6 +110,11 @@ class OutputProcessor:
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 stopped.append(request)
+            elif stop is not None and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+                # the last token allowed completed a stop string: a stop, as in vLLM (the
+                # request's blocks are already freed)
+                request.stop_reason = stop
+                request.status = RequestStatus.FINISHED_STOPPED
             if seq.logprobs is not None and sample.logprobs is not None:
                 seq.logprobs.append(self._logprob_dict(sample.logprobs,
                                                        request.sampling_params))
@@ -136,11 +141,19 @@ class OutputProcessor:
                 self.child_to_parent.pop(s.request.request_id, None)
 
     def _add_prompt_logprobs(self, parent: ParentState, chunk) -> None:
+        """Append a chunk's positions not yet reported, in order. A chunk recomputed after
+        preemption repeats earlier ones; of n > 1 siblings (each computes the whole prompt:
+        no prefix cache hits with prompt_logprobs), one ahead of the others waits for them."""
         if chunk is None or parent.prompt_logprobs is None:
             return
-        room = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
+        start, positions = chunk  # positions[i] is that of prompt token start + 1 + i
+        reported = len(parent.prompt_logprobs)  # tokens 0 .. reported - 1
+        room = len(parent.prompt_token_ids) - reported
+        first = reported - 1 - start
+        if first < 0:
+            return  # a sibling ahead: the one behind reports these positions when it gets there
         parent.prompt_logprobs.extend(self._logprob_dict(d, parent.params)
-                                      for d in chunk[:room])
+                                      for d in positions[first:first + room])
 
     def _logprob_dict(self, raw: dict[int, tuple[float, int]],
                       params: SamplingParams) -> dict[int, Logprob]:

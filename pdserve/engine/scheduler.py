@@ -58,7 +58,10 @@ class ModelRunnerOutput:
     """What one model step produced, keyed by request id."""
 
     sampled: dict[str, SampleResult] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    # (the chunk's first position, logprobs of the prompt tokens after it and on): a chunk
+    # recomputed after a preemption reports positions already reported
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(
+        default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests' results
 
 
