@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -47,6 +48,7 @@ from redis.retry import Retry
 from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.router.kv_events import KVEventBatch
 from pdserve.router.prefix_index import PrefixIndex, PrefixIndexConfig, check_caps
+from pdserve.router.wire_names import is_instance_id
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +57,33 @@ _LUA_PRELUDE = """
 local P = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Keys under P of another type than the schema's (written by something else) are dropped
+-- before use, and a block hash that is not a hash is replaced, so that no foreign key can make
+-- every call fail.
+local function own(key, kind)
+  local t = redis.call('TYPE', key)['ok']
+  if t ~= kind and t ~= 'none' then redis.call('DEL', key) end
+end
+own(P .. 'instances', 'zset')
+own(P .. 'nblocks', 'string')
+local function hset(key, field, value)
+  local r = redis.pcall('HSET', key, field, value)
+  if type(r) == 'table' and r['err'] then
+    redis.call('DEL', key)
+    redis.call('HSET', key, field, value)
+  end
+end
+local recount
 local function uncount(n)  -- P:nblocks goes when it reaches 0, so a swept index leaves no key
-  if redis.call('DECRBY', P .. 'nblocks', n) <= 0 then redis.call('DEL', P .. 'nblocks') end
+  local left = redis.pcall('DECRBY', P .. 'nblocks', n)
+  if type(left) == 'table' then recount()  -- not a number: count again
+  elseif left <= 0 then redis.call('DEL', P .. 'nblocks') end
 end
 local function drop_blocks(id)
   local setk = P .. 'iblk:' .. id
+  own(setk, 'set')
   local hs = redis.call('SMEMBERS', setk)
-  for i = 1, #hs do redis.call('HDEL', P .. 'blk:' .. hs[i], id) end
+  for i = 1, #hs do redis.pcall('HDEL', P .. 'blk:' .. hs[i], id) end
   redis.call('DEL', setk)
   if #hs > 0 then uncount(#hs) end
 end
@@ -82,10 +104,13 @@ end
 -- P:nblocks counted again from the instances' sets (once a call, when it says full: a writer
 -- of an older version, or an evicted key, may have left it too high).
 local recounted = false
-local function recount()
+recount = function()
   recounted = true
   local ids, n = redis.call('ZRANGE', P .. 'instances', 0, -1), 0
-  for i = 1, #ids do n = n + redis.call('SCARD', P .. 'iblk:' .. ids[i]) end
+  for i = 1, #ids do
+    own(P .. 'iblk:' .. ids[i], 'set')
+    n = n + redis.call('SCARD', P .. 'iblk:' .. ids[i])
+  end
   if n > 0 then redis.call('SET', P .. 'nblocks', n) else redis.call('DEL', P .. 'nblocks') end
   return n
 end
@@ -95,16 +120,16 @@ local function store(setk, id, h, val, maxb, maxall)
   if redis.call('SISMEMBER', setk, h) == 0 then
     if redis.call('SCARD', setk) >= maxb then return 1 end
     local total = tonumber(redis.call('GET', P .. 'nblocks') or '0')
-    if total >= maxall and not recounted then total = recount() end
+    if total == nil or (total >= maxall and not recounted) then total = recount() end
     if total >= maxall then return 1 end
     redis.call('SADD', setk, h)
     redis.call('INCR', P .. 'nblocks')
   end
-  redis.call('HSET', P .. 'blk:' .. h, id, val)
+  hset(P .. 'blk:' .. h, id, val)
   return 0
 end
 local function unstore(setk, id, h)
-  redis.call('HDEL', P .. 'blk:' .. h, id)
+  redis.pcall('HDEL', P .. 'blk:' .. h, id)
   if redis.call('SREM', setk, h) == 1 then uncount(1) end
 end
 """
@@ -117,8 +142,10 @@ local id, seq, val, ttl = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 sweep()
 if not admitted(id, tonumber(ARGV[6])) then return {0, 1} end
 local seqk = P .. 'seq:' .. id
+own(seqk, 'string')
+own(P .. 'iblk:' .. id, 'set')
 local last = redis.call('GET', seqk)
-if last then last = tonumber(last) end
+if last then last = tonumber(last) end  -- not a number: unknown, as when absent
 if last and seq == last then return {1, 0} end
 if seq == 0 then
   drop_blocks(id)
@@ -177,11 +204,12 @@ _LUA_LIVE = """
 local P = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ids = redis.call('ZRANGEBYSCORE', P .. 'instances', '(' .. now, '+inf')
+local ids = redis.pcall('ZRANGEBYSCORE', P .. 'instances', '(' .. now, '+inf')
+if ids['err'] then return {} end  -- not a sorted set: the next write replaces it
 local out = {}
 for i = 1, #ids do
-  local info = redis.call('GET', P .. 'inst:' .. ids[i])
-  if info then
+  local info = redis.pcall('GET', P .. 'inst:' .. ids[i])
+  if type(info) == 'string' then
     out[#out + 1] = ids[i]
     if ARGV[2] == '1' then out[#out + 1] = info end
   end
@@ -206,16 +234,20 @@ class RedisPrefixIndex(PrefixIndex):
         self.capped = 0
         self._capped_calls = 0
         self.url = url
+        self.where = redacted(url)  # for logs: without its password
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
         self.errors = 0
         self._p = key_prefix + ":"
         # One immediate retry absorbs a pooled connection that the server closed (restart);
         # redis-py's default retries back off for seconds, which a router cannot afford.
+        # Strings that are not UTF-8 (written by something else) decode to U+FFFD, which no
+        # instance id or block hash holds.
         self._r = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 1), decode_responses=True)
+            retry=Retry(NoBackoff(), 1), decode_responses=True, encoding_errors="replace")
         self._state_lock = threading.Lock()
+        self._refused_calls = 0
         self._down = False
         self._skip_until = 0.0
 
@@ -281,12 +313,16 @@ class RedisPrefixIndex(PrefixIndex):
         blk = self._p + "blk:"
         for h in block_hashes:
             pipe.hkeys(f"{blk}{h}")
-        live, *holders_per_block = pipe.execute()
+        # A block key of another type is a miss, not a failed call.
+        live, *holders_per_block = pipe.execute(raise_on_error=False)
+        if isinstance(live, Exception):
+            raise live
+        live = [i for i in live if is_instance_id(i)]  # none written by something else
         result = dict.fromkeys(live, 0)
         active = set(live)
         n = 0
         for holders in holders_per_block:
-            if not active or not holders:
+            if not active or not holders or isinstance(holders, Exception):
                 break
             still = active.intersection(holders)
             for i in active.difference(still):
@@ -299,7 +335,15 @@ class RedisPrefixIndex(PrefixIndex):
 
     def instances(self) -> dict[str, dict[str, Any]]:
         flat = self._guarded([], self._r.eval, _LUA_LIVE, 0, self._p, "1")
-        return {flat[i]: json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+        found = {}
+        for i in range(0, len(flat), 2):
+            if not is_instance_id(flat[i]):
+                continue
+            try:
+                found[flat[i]] = json.loads(flat[i + 1])
+            except ValueError:
+                continue  # not written by an instance: skip it
+        return found
 
     def num_blocks(self, instance_id: str) -> int:
         return self._guarded(0, self._r.scard, f"{self._p}iblk:{instance_id}")
@@ -329,14 +373,25 @@ class RedisPrefixIndex(PrefixIndex):
     # --- outage handling ------------------------------------------------------------------
 
     def _guarded(self, default: Any, fn: Any, *args: Any) -> Any:
-        """Run one Redis call; on failure count it, warn once per outage and return default."""
+        """Run one Redis call; on failure count it and return default. An unreachable or
+        busy Redis is skipped for retry_interval_s (one warning per outage); any other error
+        (an answer this index cannot use) fails this call alone."""
         if self._down and time.monotonic() < self._skip_until:
             with self._state_lock:
                 self.errors += 1
             return default
         try:
             out = fn(*args)
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, OSError, ValueError) as e:
+            if not _is_outage(e):
+                with self._state_lock:
+                    self.errors += 1
+                    self._refused_calls += 1
+                    calls = self._refused_calls
+                if calls & (calls - 1) == 0:  # the 1st, 2nd, 4th, ... (no log flood)
+                    log.warning("prefix index: a Redis call failed (%s: %.200s); %d so far",
+                                type(e).__name__, e, calls)
+                return default
             with self._state_lock:
                 self.errors += 1
                 self._skip_until = time.monotonic() + self.retry_interval_s
@@ -344,11 +399,29 @@ class RedisPrefixIndex(PrefixIndex):
                 self._down = True
             if first:
                 log.warning("prefix index: Redis at %s failed (%s: %s); routing without prefix "
-                            "information until it answers again", self.url, type(e).__name__, e)
+                            "information until it answers again", self.where, type(e).__name__, e)
             return default
         if self._down:
             with self._state_lock:
                 was_down, self._down = self._down, False
             if was_down:
-                log.warning("prefix index: Redis at %s answers again", self.url)
+                log.warning("prefix index: Redis at %s answers again", self.where)
         return out
+
+
+def _is_outage(error: BaseException) -> bool:
+    """Redis unreachable, timing out, loading or busy in a script: try again later."""
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
+                          OSError)):
+        return True
+    return isinstance(error, redis.ResponseError) and str(error).startswith("BUSY")
+
+
+def redacted(url: str) -> str:
+    """`url` without the password it may carry (redis://user:PASSWORD@host)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))

@@ -23,6 +23,11 @@ def check_instance_id(value: Any, field: str = "instance_id") -> str:
     return value
 
 
+def is_instance_id(value: Any) -> bool:
+    """Whether `value` is a valid instance id (check_instance_id's rule)."""
+    return isinstance(value, str) and _INSTANCE_ID.fullmatch(value) is not None
+
+
 def check_medium(medium: Any) -> str:
     """`medium`, or ValueError naming the field when it is not a short name."""
     if not isinstance(medium, str) or not _MEDIUM.fullmatch(medium):

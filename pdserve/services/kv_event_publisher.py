@@ -3,13 +3,17 @@
 Every `interval_s` the events the block pool recorded are sent as one `KVEventBatch`; when the
 index answers that it cannot apply a batch (a gap, a restart on either side, Redis flushed),
 the publisher sends a full snapshot of the cached hashes instead. Sinks: the router's
-in-memory index over gRPC, or Redis directly (several routers then share it).
+in-memory index over gRPC, or Redis directly (several routers then share it). An idle
+engine still sends an empty batch every `check_s`, so that an index that lost its state (a
+router or Redis restarted, Redis flushed) learns it and gets the snapshot without waiting for
+the engine's next event.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Protocol
 
 import grpc
@@ -22,6 +26,7 @@ from pdserve.router.kv_events_wire import batch_to_proto
 logger = logging.getLogger(__name__)
 # While the sink is away each try snapshots the whole cache on the engine's thread: back off.
 MAX_RETRY_S = 5.0
+CHECK_S = 1.0  # an idle engine's empty batch, asking the index whether it still follows
 
 
 class EventSink(Protocol):
@@ -57,11 +62,13 @@ class KVEventPublisher:
     """A thread moving the engine's KV events into a sink."""
 
     def __init__(self, loop: EngineLoop, sink: EventSink, instance_id: str,
-                 interval_s: float = 0.1, medium: str = "gpu"):
+                 interval_s: float = 0.1, medium: str = "gpu", check_s: float = CHECK_S):
         self.loop = loop
         self.sink = sink
         self.sequencer = KVEventSequencer(instance_id, medium)
         self.interval_s = interval_s
+        self.check_s = check_s
+        self._sent_at = float("-inf")
         self.in_sync = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events")
@@ -76,9 +83,10 @@ class KVEventPublisher:
 
     def publish_once(self) -> None:
         events = self.loop.take_kv_events()
-        if not events and self.in_sync:
+        if not events and self.in_sync and time.monotonic() - self._sent_at < self.check_s:
             return
         batch = self.sequencer.batch(events)
+        self._sent_at = time.monotonic()
         self.in_sync = self.sink.apply(batch)
         if not self.in_sync:
             snapshot = self.loop.kv_snapshot()

@@ -96,3 +96,24 @@ def test_an_unreachable_sink_is_retried_less_and_less_often(loop):
     assert max(waits) == MAX_RETRY_S
     assert waits[-1] == pytest.approx(0.1)  # in sync again: back to the interval
     assert sink.snapshots == 8  # one for each try while the sink was away
+
+
+def test_an_idle_engine_resyncs_an_index_that_lost_its_state(loop):
+    """A router (or Redis) restarted empty while the engine had nothing new to publish: the
+    periodic empty batch is refused and the snapshot follows, without waiting for an event."""
+    index = MemoryPrefixIndex(ttl_s=60)
+    index.heartbeat("e1", {"role": "prefill"})
+    publisher = KVEventPublisher(loop, index, "e1", check_s=0.0)
+    ids = list(range(900, 950))
+    generate(loop, "a", ids)
+    publisher.publish_once()
+    fresh = MemoryPrefixIndex(ttl_s=60)  # the restarted router's index
+    fresh.heartbeat("e1", {"role": "prefill"})
+    publisher.sink = fresh
+    publisher.publish_once()  # no new events
+    assert fresh.match(hash_blocks(ids, 16)) == {"e1": 3}
+    quiet = KVEventPublisher(loop, fresh, "e2", check_s=3600.0)
+    quiet.in_sync = True
+    quiet.publish_once()  # the first check
+    quiet.publish_once()  # idle and in sync, the next check not due: nothing sent
+    assert quiet.sequencer.batch([]).seq == 1
