@@ -1,21 +1,8 @@
 """Prefix index in Redis, shared by every router that points at the same Redis and key prefix.
 
-Key schema (P = key prefix, "pdserve" by default; hashes are decimal ints in [0, 2^63)):
-
-    P:blk:<hash>      HASH   instance id -> "<medium>:<timestamp>"   who holds this block, in
-                             which tier ("gpu", "cpu", ...) since the batch time (Unix seconds)
-    P:iblk:<id>       SET    block hashes held by instance <id> (for removal and cleanup)
-    P:seq:<id>        STRING last applied KV event batch seq of <id>
-    P:inst:<id>       STRING heartbeat info of <id> (JSON), PX TTL = ttl; exists <=> live
-    P:nblocks         STRING (instance, block) pairs held: the sum of the P:iblk sets' sizes
-    P:instances       ZSET   instance id -> deadline (Redis server ms) of every instance the
-                             index knows; lapsed members are swept (all their keys removed)
-
-Every write is one Lua script, so the seq check and the writes are atomic with respect to other
-routers, and deadlines come from the Redis server clock (routers' clocks may disagree). Scripts
-touch keys they do not declare, so this runs on a single Redis (or a primary with replicas),
-not Redis Cluster. Sweeping a lapsed instance with many blocks blocks Redis for a few ms per
-10,000 blocks, once.
+The key schema and the scripts that keep it are in redis_scripts.py: every write is one Lua
+script, atomic with respect to other routers, and none does more than about DRAIN hashes' work,
+so that no call blocks Redis (and every router's matches) for long.
 
 `match()` is one round trip: a pipeline of HKEYS P:blk:<hash> for the prompt's blocks plus one
 small script listing live instances; the prefix walk (stop at an instance's first miss) runs here.
@@ -47,176 +34,12 @@ from redis.retry import Retry
 
 from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.router.kv_events import KVEventBatch
+from pdserve.router import redis_scripts as lua
 from pdserve.router.prefix_index import PrefixIndex, PrefixIndexConfig, check_caps
 from pdserve.router.wire_names import is_instance_id
 
 log = logging.getLogger(__name__)
-
-# ARGV[1] is the key prefix with its trailing ':'. Lapsed instances are swept by every write.
-_LUA_PRELUDE = """
-local P = ARGV[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
--- Keys under P of another type than the schema's (written by something else) are dropped
--- before use, and a block hash that is not a hash is replaced, so that no foreign key can make
--- every call fail.
-local function own(key, kind)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= kind and t ~= 'none' then redis.call('DEL', key) end
-end
-own(P .. 'instances', 'zset')
-own(P .. 'nblocks', 'string')
-local function hset(key, field, value)
-  local r = redis.pcall('HSET', key, field, value)
-  if type(r) == 'table' and r['err'] then
-    redis.call('DEL', key)
-    redis.call('HSET', key, field, value)
-  end
-end
-local recount
-local function uncount(n)  -- P:nblocks goes when it reaches 0, so a swept index leaves no key
-  local left = redis.pcall('DECRBY', P .. 'nblocks', n)
-  if type(left) == 'table' then recount()  -- not a number: count again
-  elseif left <= 0 then redis.call('DEL', P .. 'nblocks') end
-end
-local function drop_blocks(id)
-  local setk = P .. 'iblk:' .. id
-  own(setk, 'set')
-  local hs = redis.call('SMEMBERS', setk)
-  for i = 1, #hs do redis.pcall('HDEL', P .. 'blk:' .. hs[i], id) end
-  redis.call('DEL', setk)
-  if #hs > 0 then uncount(#hs) end
-end
-local function forget(id)
-  drop_blocks(id)
-  redis.call('DEL', P .. 'seq:' .. id, P .. 'inst:' .. id)
-  redis.call('ZREM', P .. 'instances', id)
-end
-local function sweep()
-  local ids = redis.call('ZRANGEBYSCORE', P .. 'instances', '-inf', now)
-  for i = 1, #ids do forget(ids[i]) end
-  return #ids
-end
-local function admitted(id, max_instances)
-  if redis.call('ZSCORE', P .. 'instances', id) then return true end
-  return redis.call('ZCARD', P .. 'instances') < max_instances
-end
--- P:nblocks counted again from the instances' sets (once a call, when it says full: a writer
--- of an older version, or an evicted key, may have left it too high).
-local recounted = false
-recount = function()
-  recounted = true
-  local ids, n = redis.call('ZRANGE', P .. 'instances', 0, -1), 0
-  for i = 1, #ids do
-    own(P .. 'iblk:' .. ids[i], 'set')
-    n = n + redis.call('SCARD', P .. 'iblk:' .. ids[i])
-  end
-  if n > 0 then redis.call('SET', P .. 'nblocks', n) else redis.call('DEL', P .. 'nblocks') end
-  return n
-end
--- Records that id holds block h, unless that would take it past maxb blocks, or all instances
--- past maxall: returns 1 then. P:nblocks counts (instance, block) pairs.
-local function store(setk, id, h, val, maxb, maxall)
-  if redis.call('SISMEMBER', setk, h) == 0 then
-    if redis.call('SCARD', setk) >= maxb then return 1 end
-    local total = tonumber(redis.call('GET', P .. 'nblocks') or '0')
-    if total == nil or (total >= maxall and not recounted) then total = recount() end
-    if total >= maxall then return 1 end
-    redis.call('SADD', setk, h)
-    redis.call('INCR', P .. 'nblocks')
-  end
-  hset(P .. 'blk:' .. h, id, val)
-  return 0
-end
-local function unstore(setk, id, h)
-  redis.pcall('HDEL', P .. 'blk:' .. h, id)
-  if redis.call('SREM', setk, h) == 1 then uncount(1) end
-end
-"""
-
-# ARGV: prefix, id, seq, value, ttl_ms, max_instances, max_blocks_per_instance, max_blocks,
-# ops... ('+h' stored, '-h' removed, '!' all cleared). Returns {applied (0/1), stored blocks or
-# instances left out}.
-_LUA_APPLY = _LUA_PRELUDE + """
-local id, seq, val, ttl = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
-sweep()
-if not admitted(id, tonumber(ARGV[6])) then return {0, 1} end
-local seqk = P .. 'seq:' .. id
-own(seqk, 'string')
-own(P .. 'iblk:' .. id, 'set')
-local last = redis.call('GET', seqk)
-if last then last = tonumber(last) end  -- not a number: unknown, as when absent
-if last and seq == last then return {1, 0} end
-if seq == 0 then
-  drop_blocks(id)
-elseif not last or seq ~= last + 1 then
-  return {0, 0}
-end
-local setk, maxb, maxall, capped = P .. 'iblk:' .. id, tonumber(ARGV[7]), tonumber(ARGV[8]), 0
-for i = 9, #ARGV do
-  local op = ARGV[i]
-  local c, h = string.sub(op, 1, 1), string.sub(op, 2)
-  if c == '+' then
-    capped = capped + store(setk, id, h, val, maxb, maxall)
-  elseif c == '-' then
-    unstore(setk, id, h)
-  else
-    drop_blocks(id)
-  end
-end
-redis.call('SET', seqk, ARGV[3])
-redis.call('ZADD', P .. 'instances', 'NX', now + ttl, id)
-return {1, capped}
-"""
-
-# ARGV: prefix, id, seq, value, ttl_ms, the three caps as apply's, hashes... Returns as apply.
-_LUA_RESYNC = _LUA_PRELUDE + """
-local id, val, ttl = ARGV[2], ARGV[4], tonumber(ARGV[5])
-sweep()
-if not admitted(id, tonumber(ARGV[6])) then return {0, 1} end
-drop_blocks(id)
-local setk, maxb, maxall, capped = P .. 'iblk:' .. id, tonumber(ARGV[7]), tonumber(ARGV[8]), 0
-for i = 9, #ARGV do
-  capped = capped + store(setk, id, ARGV[i], val, maxb, maxall)
-end
-redis.call('SET', P .. 'seq:' .. id, ARGV[3])
-redis.call('ZADD', P .. 'instances', 'NX', now + ttl, id)
-return {1, capped}
-"""
-
-# ARGV: prefix, id, info json, ttl_ms, max_instances. Returns 0 when the instance is refused.
-_LUA_HEARTBEAT = _LUA_PRELUDE + """
-sweep()
-if not admitted(ARGV[2], tonumber(ARGV[5])) then return 0 end
-redis.call('SET', P .. 'inst:' .. ARGV[2], ARGV[3], 'PX', ARGV[4])
-redis.call('ZADD', P .. 'instances', now + tonumber(ARGV[4]), ARGV[2])
-return 1
-"""
-
-# ARGV: prefix, id
-_LUA_REMOVE = _LUA_PRELUDE + "forget(ARGV[2])\nreturn 1\n"
-
-# ARGV: prefix
-_LUA_SWEEP = _LUA_PRELUDE + "return sweep()\n"
-
-# ARGV: prefix, with_info ('1' -> id, info pairs; '0' -> ids). Read-only.
-_LUA_LIVE = """
-local P = ARGV[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ids = redis.pcall('ZRANGEBYSCORE', P .. 'instances', '(' .. now, '+inf')
-if ids['err'] then return {} end  -- not a sorted set: the next write replaces it
-local out = {}
-for i = 1, #ids do
-  local info = redis.pcall('GET', P .. 'inst:' .. ids[i])
-  if type(info) == 'string' then
-    out[#out + 1] = ids[i]
-    if ARGV[2] == '1' then out[#out + 1] = info end
-  end
-end
-return out
-"""
-
+DRAIN = 4096  # hashes a script call handles at most (about 20 ms of Redis time)
 
 class RedisPrefixIndex(PrefixIndex):
     """Prefix index kept in Redis (schema in the module docstring)."""
@@ -272,20 +95,26 @@ class RedisPrefixIndex(PrefixIndex):
             elif isinstance(event, AllBlocksCleared):
                 ops.append("!")
         value = f"{batch.medium}:{batch.timestamp:.3f}"
-        return self._write(_LUA_APPLY, batch.instance_id, batch.seq, value, ops)
+        return self._write(lua.APPLY, batch.instance_id, batch.seq, value, ops)
 
     def resync(self, instance_id: str, block_hashes: Sequence[int], seq: int,
                medium: str = "gpu") -> bool:
         if seq < -1:
             raise ValueError(f"seq: must be >= -1, got {seq}")
         value = f"{medium}:{time.time():.3f}"
-        return self._write(_LUA_RESYNC, instance_id, seq, value, block_hashes)
+        parts = [block_hashes[i:i + DRAIN] for i in range(0, len(block_hashes), DRAIN)] or [[]]
+        for k, part in enumerate(parts):
+            which = ("whole" if len(parts) == 1 else "first" if k == 0
+                     else "last" if k == len(parts) - 1 else "more")
+            if not self._write(lua.RESYNC, instance_id, seq, value, [which, *part]):
+                return False
+        return True
 
     def _write(self, script: str, instance_id: str, seq: int, value: str,
                items: Sequence[Any]) -> bool:
         """Run the apply or resync script; count and log what the caps left out."""
         done, capped = self._guarded((0, 0), self._r.eval, script, 0, self._p, instance_id, seq,
-                                     value, self.ttl_ms, *self.caps, *items)
+                                     value, self.ttl_ms, *self.caps, *items, DRAIN)
         if capped:
             self._count_capped(capped, instance_id)
         return done == 1
@@ -309,7 +138,7 @@ class RedisPrefixIndex(PrefixIndex):
 
     def _match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         pipe = self._r.pipeline(transaction=False)
-        pipe.eval(_LUA_LIVE, 0, self._p, "0")
+        pipe.eval(lua.LIVE, 0, self._p, "0")
         blk = self._p + "blk:"
         for h in block_hashes:
             pipe.hkeys(f"{blk}{h}")
@@ -334,7 +163,7 @@ class RedisPrefixIndex(PrefixIndex):
         return result
 
     def instances(self) -> dict[str, dict[str, Any]]:
-        flat = self._guarded([], self._r.eval, _LUA_LIVE, 0, self._p, "1")
+        flat = self._guarded([], self._r.eval, lua.LIVE, 0, self._p, "1")
         found = {}
         for i in range(0, len(flat), 2):
             if not is_instance_id(flat[i]):
@@ -351,17 +180,17 @@ class RedisPrefixIndex(PrefixIndex):
     # --- registry -------------------------------------------------------------------------
 
     def heartbeat(self, instance_id: str, info: dict[str, Any]) -> bool:
-        admitted = self._guarded(1, self._r.eval, _LUA_HEARTBEAT, 0, self._p, instance_id,
-                                 json.dumps(info), self.ttl_ms, self.caps[0])
+        admitted = self._guarded(1, self._r.eval, lua.HEARTBEAT, 0, self._p, instance_id,
+                                 json.dumps(info), self.ttl_ms, self.caps[0], DRAIN)
         if not admitted:
             self._count_capped(1, instance_id)
         return bool(admitted)
 
     def remove_instance(self, instance_id: str) -> None:
-        self._guarded(0, self._r.eval, _LUA_REMOVE, 0, self._p, instance_id)
+        self._guarded(0, self._r.eval, lua.REMOVE, 0, self._p, instance_id, DRAIN)
 
     def sweep(self) -> int:
-        return self._guarded(0, self._r.eval, _LUA_SWEEP, 0, self._p)
+        return self._guarded(0, self._r.eval, lua.SWEEP, 0, self._p, DRAIN)
 
     def ping(self) -> bool:
         """One round trip to Redis; False when it is unreachable."""
