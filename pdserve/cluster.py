@@ -69,6 +69,7 @@ class ClusterSpec:
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     redis_url: str | None = None
+    redis_key_prefix: str = "pdserve"  # clusters sharing one Redis need different ones
     startup_timeout_s: float = 180.0
     log_dir: str | None = None  # default: a fresh temporary directory
     instance_args: tuple[str, ...] = ()  # extra flags for every instance (e.g. --kv-lease-s 5)
@@ -200,7 +201,7 @@ class Cluster:
         for name, role in planned:
             router_cmd += [f"--{role}", addresses[name]]
         if s.redis_url:
-            router_cmd += ["--redis-url", s.redis_url]
+            router_cmd += ["--redis-url", s.redis_url, "--redis-key-prefix", s.redis_key_prefix]
         self._spawn("router", "router", self.router_address, router_cmd)
         if s.http_port is not None:
             self.http_address = f"{dial}:{s.http_port or free_port(s.host)}"
@@ -219,7 +220,7 @@ class Cluster:
             if s.kv_cache_memory_fraction:
                 cmd += ["--kv-cache-memory-fraction", str(s.kv_cache_memory_fraction)]
             if s.redis_url:
-                cmd += ["--redis-url", s.redis_url]
+                cmd += ["--redis-url", s.redis_url, "--redis-key-prefix", s.redis_key_prefix]
             self._spawn(name, role, addresses[name], cmd)
 
     def _cpu_flags(self, num_engines: int) -> list[list[str]]:

@@ -31,6 +31,7 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.server import tool_parser_from_args
 from pdserve.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.logging_setup import add_log_args, announce, report, setup_from_args
+from pdserve.router.prefix_index import add_redis_prefix_arg
 from pdserve.services.auth import SECRET_ENV
 
 MAX_RESTARTS = 5  # times `up` restarts one child that exited before it gives up
@@ -93,6 +94,7 @@ def add_cli(subparsers) -> None:
                         f"{SHARED_CORES_DISAGG_MIN_RUNNING} when the engines share cores, "
                         "0 with --cpu-sharing split)")
     p.add_argument("--redis-url", default=None)
+    add_redis_prefix_arg(p)
     p.add_argument("--startup-timeout-s", type=float, default=ClusterSpec.startup_timeout_s)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--cpu-cores", default=None,
@@ -126,7 +128,8 @@ def run_up(args: argparse.Namespace) -> int:
         connector=args.connector, host=args.host, grpc_port=args.grpc_port,
         disagg_threshold=args.disagg_threshold,
         disagg_min_running=default_min_running(args.disagg_min_running, args.cpu_sharing),
-        redis_url=args.redis_url, startup_timeout_s=args.startup_timeout_s,
+        redis_url=args.redis_url, redis_key_prefix=args.redis_key_prefix,
+        startup_timeout_s=args.startup_timeout_s,
         log_dir=args.log_dir, http_port=None if args.port < 0 else args.port,
         api_key=args.api_key, cluster_secret=secret, log_level=args.log_level,
         log_format=args.log_format, instance_args=tuple(engine_flags(args)),

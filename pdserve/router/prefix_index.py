@@ -32,12 +32,16 @@ Contract shared by every backend (tests/integration/test_prefix_index.py checks 
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.kv_events import KVEventBatch
+
+
+KEY_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,17 @@ class PrefixIndexConfig:
             raise ValueError(f"ttl_s must be positive, got {self.ttl_s}")
         if self.socket_timeout_s <= 0 or self.retry_interval_s < 0:
             raise ValueError("socket_timeout_s must be positive and retry_interval_s >= 0")
+        if not isinstance(self.key_prefix, str) or not KEY_PREFIX.fullmatch(self.key_prefix):
+            raise ValueError(f"redis_key_prefix: expected 1-64 letters, digits or '._-', got "
+                             f"{str(self.key_prefix)[:40]!r}")
         check_caps(self.max_instances, self.max_blocks_per_instance, self.max_blocks)
+
+
+def add_redis_prefix_arg(parser) -> None:
+    """--redis-key-prefix, for the router and the instances that share a Redis index."""
+    parser.add_argument("--redis-key-prefix", default=PrefixIndexConfig.key_prefix,
+                        help="namespace of the index's Redis keys: clusters that share one "
+                             "Redis need different ones (their instance ids may collide)")
 
 
 def check_caps(max_instances: int, max_blocks_per_instance: int, max_blocks: int) -> None:

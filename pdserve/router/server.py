@@ -31,6 +31,7 @@ from pdserve.router.kv_events_wire import batch_from_proto
 from pdserve.router.prefix_index import (
     PrefixIndex,
     PrefixIndexConfig,
+    add_redis_prefix_arg,
     create_prefix_index,
 )
 from pdserve.router.registry import Registry, RegistryFull, StaticPoller
@@ -192,6 +193,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--redis-url", default=None,
                    help="read the prefix index from this Redis (default: in-process, fed by "
                         "the instances' KV events)")
+    add_redis_prefix_arg(p)
     add_credential_args(p, api_keys=True)
     add_log_args(p)
     p.set_defaults(func=run_router)
@@ -210,9 +212,12 @@ def run_router(args: argparse.Namespace) -> int:
                               max_instances=args.max_instances)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    index = (create_prefix_index(PrefixIndexConfig("redis", args.redis_url,
-                                                   max_instances=args.max_instances))
-             if args.redis_url else None)
+    try:
+        index = (create_prefix_index(PrefixIndexConfig(
+            "redis", args.redis_url, args.redis_key_prefix, max_instances=args.max_instances))
+            if args.redis_url else None)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     try:
         credentials = credentials_from_args(args, api_keys=True)
     except ValueError as e:

@@ -19,7 +19,8 @@ from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, router_pb2_grpc
 from pdserve.router.wire_names import check_instance_id
 from pdserve.router.channels import ChannelPool
-from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
+from pdserve.router.prefix_index import (PrefixIndexConfig, add_redis_prefix_arg,
+                                        create_prefix_index)
 from pdserve.services.auth import Credentials, add_credential_args, credentials_from_args
 from pdserve.services.grpc_server import GrpcServer, load_message
 from pdserve.services.kv_event_publisher import KVEventPublisher, RouterSink
@@ -43,7 +44,8 @@ class Instance:
                  host: str = "127.0.0.1", port: int = 0, instance_id: str | None = None,
                  router: str | None = None, redis_url: str | None = None,
                  credentials: Credentials = Credentials(),
-                 max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT):
+                 max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT,
+                 redis_key_prefix: str = PrefixIndexConfig.key_prefix):
         from pdserve.engine.llm_engine import LLMEngine  # torch: not imported for --help
 
         self.role = role
@@ -60,7 +62,8 @@ class Instance:
         self.connector_kind = connector_kind
         self.connector = self._make_connector(connector_kind, host, credentials)
         # KV events go to Redis when given (shared by every router), else to the router.
-        self.index = (create_prefix_index(PrefixIndexConfig("redis", redis_url))
+        self.index = (create_prefix_index(PrefixIndexConfig("redis", redis_url,
+                                                            redis_key_prefix))
                       if redis_url else None)
         sink = self.index or (RouterSink(self.channels.get(router)) if router else None)
         self.engine = LLMEngine.from_engine_args(engine_args, connector=self.connector,
@@ -176,6 +179,7 @@ def add_instance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-id", default=None)
     parser.add_argument("--redis-url", default=None,
                         help="publish KV events and heartbeats to this Redis prefix index")
+    add_redis_prefix_arg(parser)
     parser.add_argument("--max-requests-in-flight", type=int, default=MAX_REQUESTS_IN_FLIGHT,
                         help="prefills, decodes and embeddings this instance takes at once "
                              "(the engine queues what it cannot batch); more are refused with "
@@ -191,11 +195,12 @@ def run_instance(role: str, args: argparse.Namespace, register) -> int:
     setup_from_args(args)
     try:
         credentials = credentials_from_args(args)
+        PrefixIndexConfig("redis", args.redis_url or "", args.redis_key_prefix)  # checks it
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     instance = Instance(role, EngineArgs.from_cli_args(args), args.connector, args.host,
                         args.port, args.instance_id, args.router, args.redis_url, credentials,
-                        args.max_requests_in_flight)
+                        args.max_requests_in_flight, args.redis_key_prefix)
     register(instance)
     instance.start()
     logger.info("%s instance %s serving %s; gRPC on %s, KV connector %s, router %s%s", role,

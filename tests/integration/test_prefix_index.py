@@ -328,3 +328,30 @@ def test_redis_outage_and_recovery(redis_server: RedisServer,  # noqa: F811
     assert index.match([1, 2, 3, 4]) == {"a": 4}
     errors = index.errors
     assert index.match([1]) == {"a": 1} and index.errors == errors
+
+
+def test_clusters_sharing_a_redis_keep_apart_by_key_prefix(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """Two clusters whose instances have the same ids (`pdserve up` names them decode-0, ...)
+    each see their own blocks under their own --redis-key-prefix."""
+    from pdserve.cli import build_parser
+    from pdserve.router.prefix_index import PrefixIndexConfig, create_prefix_index
+
+    tag = uuid.uuid4().hex[:8]
+    indexes = []
+    for name in ("blue", "green"):
+        args = build_parser().parse_args(["decode", "--redis-url", redis_server.url,
+                                          "--redis-key-prefix", f"{name}-{tag}"])
+        indexes.append(create_prefix_index(PrefixIndexConfig(
+            "redis", args.redis_url, args.redis_key_prefix)))
+    blue, green = indexes
+    live(blue, "decode-0")
+    live(green, "decode-0")
+    assert blue.apply(batch("decode-0", 0, stored(1, 2)))
+    assert green.apply(batch("decode-0", 0, stored(7)))
+    assert blue.match([1, 2]) == {"decode-0": 2} and green.match([1, 2]) == {"decode-0": 0}
+    assert green.match([7]) == {"decode-0": 1} and blue.match([7]) == {"decode-0": 0}
+    with pytest.raises(ValueError, match="redis_key_prefix"):
+        PrefixIndexConfig("redis", redis_server.url, "two words")
+    for index in indexes:
+        index.close()
