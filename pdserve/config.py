@@ -176,24 +176,57 @@ def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> 
     return arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
 
 
-def available_memory_bytes() -> int:
-    """Memory the OS reports as available (the CPU KV cache must fit in it)."""
+# (limit, usage, stat file, its reclaimable page cache) of cgroup v2 and v1, under the mount
+CGROUP_MEMORY = (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                 ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                  "memory/memory.stat", "total_inactive_file"))
+
+
+def available_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Memory the OS reports as available, or what this process's cgroup (a container's
+    memory limit) has left where that is less: the CPU KV cache must fit in it."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                available = int(line.split()[1]) * 1024
+    for limit_file, usage_file, stat_file, cache_field in CGROUP_MEMORY:
+        limit, usage = (_read_int(os.path.join(cgroup_root, f))
+                        for f in (limit_file, usage_file))
+        if limit is not None and usage is not None:
+            usage -= _stat_field(os.path.join(cgroup_root, stat_file), cache_field)
+            available = min(available, max(limit - usage, 0))
+    return available
 
 
-def total_memory_bytes() -> int:
+def total_memory_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int:
     """The machine's RAM, or this process's cgroup memory limit where that is lower."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                limit = f.read().strip()
-        except OSError:
-            continue
-        if limit.isdigit():
-            total = min(total, int(limit))
+    for limit_file, *_ in CGROUP_MEMORY:
+        limit = _read_int(os.path.join(cgroup_root, limit_file))
+        if limit is not None:
+            total = min(total, limit)
     return total
+
+
+def _stat_field(path: str, name: str) -> int:
+    """A field of a cgroup memory.stat file (0 when absent)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == name and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def _read_int(path: str) -> int | None:
+    """The integer a cgroup file holds; None when absent or "max" (no limit)."""
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError:
+        return None
+    return int(value) if value.isdigit() else None

@@ -102,3 +102,22 @@ def test_cuda_fraction_keeps_gpu_memory_utilization_meaning(tiny_model_dir, monk
     assert got == ((20 << 30) - (10 << 30)) // size  # the fraction replaces it
     got, size = blocks(kv_cache_memory_fraction=0.25, kv_cache_memory_bytes=1 << 20)
     assert got == (1 << 20) // size
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_a_containers_memory_limit_bounds_what_the_cache_may_take(tmp_path, v2):
+    """Inside a container the host's MemAvailable overstates what this process may use: the
+    cgroup's limit less its usage (less reclaimable page cache) counts too."""
+    gib = 1 << 30
+    folder = tmp_path if v2 else tmp_path / "memory"
+    folder.mkdir(exist_ok=True)
+    names = (("memory.max", "memory.current", "memory.stat", "inactive_file") if v2 else
+             ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat",
+              "total_inactive_file"))
+    (folder / names[0]).write_text(f"{4 * gib}\n")
+    (folder / names[1]).write_text(f"{3 * gib}\n")
+    (folder / names[2]).write_text(f"anon 123\n{names[3]} {gib // 2}\n")
+    assert cfg.available_memory_bytes(str(tmp_path)) == gib + gib // 2
+    assert cfg.total_memory_bytes(str(tmp_path)) == 4 * gib
+    (folder / names[0]).write_text("max\n")  # no limit: the host's figures
+    assert cfg.total_memory_bytes(str(tmp_path)) == cfg.total_memory_bytes(str(tmp_path / "x"))
