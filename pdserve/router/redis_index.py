@@ -71,6 +71,7 @@ class RedisPrefixIndex(PrefixIndex):
             retry=Retry(NoBackoff(), 1), decode_responses=True, encoding_errors="replace")
         self._state_lock = threading.Lock()
         self._refused_calls = 0
+        self._live = lua.LIVE  # the script listing live instances (unflagged before Redis 7)
         self._down = False
         self._skip_until = 0.0
 
@@ -138,13 +139,15 @@ class RedisPrefixIndex(PrefixIndex):
 
     def _match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         pipe = self._r.pipeline(transaction=False)
-        pipe.eval(lua.LIVE, 0, self._p, "0")
+        pipe.eval(self._live, 0, self._p, "0")
         blk = self._p + "blk:"
         for h in block_hashes:
             pipe.hkeys(f"{blk}{h}")
         # A block key of another type is a miss, not a failed call.
         live, *holders_per_block = pipe.execute(raise_on_error=False)
         if isinstance(live, Exception):
+            if self._older_redis(live):
+                return self._match(block_hashes)
             raise live
         live = [i for i in live if is_instance_id(i)]  # none written by something else
         result = dict.fromkeys(live, 0)
@@ -163,7 +166,7 @@ class RedisPrefixIndex(PrefixIndex):
         return result
 
     def instances(self) -> dict[str, dict[str, Any]]:
-        flat = self._guarded([], self._r.eval, lua.LIVE, 0, self._p, "1")
+        flat = self._guarded([], self._live_with_info)
         found = {}
         for i in range(0, len(flat), 2):
             if not is_instance_id(flat[i]):
@@ -173,6 +176,22 @@ class RedisPrefixIndex(PrefixIndex):
             except ValueError:
                 continue  # not written by an instance: skip it
         return found
+
+    def _live_with_info(self) -> list[str]:
+        try:
+            return self._r.eval(self._live, 0, self._p, "1")
+        except redis.ResponseError as e:
+            if not self._older_redis(e):
+                raise
+            return self._r.eval(self._live, 0, self._p, "1")
+
+    def _older_redis(self, error: Exception) -> bool:
+        """Whether `error` says this Redis (before 7) cannot compile a flagged script: then
+        the read-only scripts run unflagged from now on."""
+        if self._live is lua.LIVE and "compil" in str(error).lower():
+            self._live = lua.LIVE_ANY_VERSION
+            return True
+        return False
 
     def num_blocks(self, instance_id: str) -> int:
         return self._guarded(0, self._r.scard, f"{self._p}iblk:{instance_id}")

@@ -219,8 +219,9 @@ REMOVE = PRELUDE + "forget(ARGV[2])\nreturn 1\n"
 # ARGV: prefix, DRAIN
 SWEEP = PRELUDE + "return sweep()\n"
 
-# ARGV: prefix, with_info ('1' -> id, info pairs; '0' -> ids). Read-only.
-LIVE = """
+# ARGV: prefix, with_info ('1' -> id, info pairs; '0' -> ids). Read-only: flagged so on Redis
+# 7+, which then runs it while writes are paused (a failover) and on replicas.
+LIVE_ANY_VERSION = """
 local P = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -238,3 +239,5 @@ return out
 """
 
 
+
+LIVE = "#!lua flags=no-writes\n" + LIVE_ANY_VERSION

@@ -355,3 +355,23 @@ def test_clusters_sharing_a_redis_keep_apart_by_key_prefix(
         PrefixIndexConfig("redis", redis_server.url, "two words")
     for index in indexes:
         index.close()
+
+
+def test_matches_go_on_while_writes_are_paused(redis_server: RedisServer) -> None:  # noqa: F811
+    """A failover pauses writes (CLIENT PAUSE WRITE): the read-only listing of live
+    instances is flagged so, and matches still answer."""
+    import redis
+
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    index = redis_index(redis_server, prefix)
+    live(index, "a")
+    assert index.apply(batch("a", 0, stored(1, 2)))
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+    try:
+        assert index.match([1, 2]) == {"a": 2}
+        assert set(index.instances()) == {"a"}
+    finally:
+        raw.execute_command("CLIENT", "UNPAUSE")
+        raw.close()
+        index.close()
