@@ -377,6 +377,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
     def _free(self, request: Request) -> None:
+        if request.grammar is not None:
+            request.grammar.release()
         params = request.kv_transfer_params or {}
         if (params.get("do_remote_decode")
                 and request.status == RequestStatus.FINISHED_LENGTH_CAPPED):

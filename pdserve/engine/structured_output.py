@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
@@ -33,10 +33,18 @@ _CACHE_SIZE = 256  # compiled grammars kept per engine
 class GrammarState:
     """One sequence's position in its grammar. Not ready until the compile finishes."""
 
-    def __init__(self, compiled: Future):
+    def __init__(self, compiled: Future, release: Callable[[], None] | None = None):
         self._compiled = compiled
+        self._release = release
         self._matcher = None
         self.error: str | None = None
+
+    def release(self) -> None:
+        """The sequence ended (finished or aborted): a compile nobody else waits for and
+        that has not started is dropped, so abandoned requests cannot queue up compiles."""
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
 
     @property
     def ready(self) -> bool:
@@ -101,6 +109,7 @@ class StructuredOutputManager:
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._waiters: dict[GrammarSpec, int] = {}  # live sequences of each spec
 
     def grammar_for(self, spec: GrammarSpec) -> GrammarState:
         """A new sequence's state; its grammar compiles in the background (once per spec)."""
@@ -115,7 +124,18 @@ class StructuredOutputManager:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(spec)
-        return GrammarState(future)
+            self._waiters[spec] = self._waiters.get(spec, 0) + 1
+        return GrammarState(future, lambda: self._release(spec, future))
+
+    def _release(self, spec: GrammarSpec, future: Future) -> None:
+        with self._lock:
+            left = self._waiters.get(spec, 1) - 1
+            if left > 0:
+                self._waiters[spec] = left
+                return
+            self._waiters.pop(spec, None)
+            if future.cancel() and self._cache.get(spec) is future:  # queued, not started
+                del self._cache[spec]
 
     def _compile(self, spec: GrammarSpec):
         if self._compiler is None:

@@ -173,6 +173,43 @@ def test_compiles_off_the_step(tiny_llm):
         manager._compile = real
 
 
+def test_an_aborted_requests_queued_compile_is_dropped(tiny_llm):
+    """Abandoned requests cannot queue up compiles ahead of live ones: a compile not started
+    whose every request ended is cancelled; one another request still waits for is kept."""
+    engine = tiny_llm.llm_engine
+    manager: StructuredOutputManager = engine.input_processor.grammars
+    gate, compiled = threading.Event(), []
+    real = manager._compile
+
+    def held(spec):
+        gate.wait(30)
+        compiled.append(spec)
+        return real(spec)
+
+    manager._compile = held
+    try:
+        params = {name: SamplingParams(temperature=0, max_tokens=16, structured_outputs=so(
+            regex=rf"{name}-[0-9]{{3}}")) for name in ("first", "gone", "shared")}
+        engine.add_request("first", "x", params["first"])  # holds the one compile thread
+        engine.add_request("gone", "x", params["gone"])
+        engine.add_request("shared-1", "x", params["shared"])
+        engine.add_request("shared-2", "x", params["shared"])
+        engine.abort_request(["gone", "shared-1"])
+        engine.step()  # the aborts take effect
+        gate.set()
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert set(done) == {"first", "shared-2"}
+        assert re.fullmatch(r"shared-[0-9]{3}", done["shared-2"].outputs[0].text)
+        assert [spec.source for spec in compiled] == [r"first-[0-9]{3}", r"shared-[0-9]{3}"]
+        engine.add_request("again", "x", params["gone"])  # asked again: compiled then
+        assert re.fullmatch(r"gone-[0-9]{3}", _run(engine, "again").outputs[0].text)
+    finally:
+        gate.set()
+        manager._compile = real
+
+
 def test_invalid_constraints_are_value_errors(smollm2_llm):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         SamplingParams(structured_outputs=so(regex="(a"))
