@@ -226,3 +226,40 @@ def test_a_reader_keeps_a_bounded_number_of_producer_connections(monkeypatch):
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_lease_revoked_mid_reply_cuts_a_slow_reader_off():
+    """A slow reader is still being sent to when the lease ends and the blocks take other
+    content: it gets only bytes copied while the lease held, then the connection ends."""
+    from pdserve.kv_transfer import make_transport
+
+    layout = KVLayout(num_layers=2, num_blocks=1024, block_size=16, num_kv_heads=4,
+                      head_dim=64, dtype="float32")
+    producer = make_transport("tcp", "prefill-revoke")
+    producer.allocate_kv_cache(layout)
+    producer.kv_cache.copy_(torch.randn(producer.kv_cache.shape))
+    ids = list(range(1024))
+    # What the reply holds: each plane's blocks in order, (layers * 2, blocks, ...) as bytes.
+    want = producer.kv_cache.view(4, 1024, -1).clone().numpy().tobytes()
+    try:
+        desc = producer.serve()
+        token = producer.grant("big", ids).encode()
+        with socket.create_connection((desc["host"], desc["port"]), timeout=10) as raw:
+            hello = desc["engine_id"].encode()
+            raw.sendall(REQ.pack(MAGIC, OP_HELLO, len(hello)) + hello)
+            status, length = REPLY.unpack(raw.recv(REPLY.size, socket.MSG_WAITALL))
+            assert status == 0 and length == 0  # no cluster secret: no challenge
+            body = (LEASE.pack(3, len(token)) + b"big" + token
+                    + struct.pack(f"!{len(ids)}I", *ids))
+            raw.sendall(REQ.pack(MAGIC, OP_READ, len(body)) + body)
+            status, length = REPLY.unpack(raw.recv(REPLY.size, socket.MSG_WAITALL))
+            assert status == 0 and length == len(want) == 64 << 20
+            got = bytearray(raw.recv(1 << 20, socket.MSG_WAITALL))  # a slow reader
+            producer.revoke("big")
+            producer.kv_cache.zero_()  # the blocks hold another prompt's KV now
+            while chunk := raw.recv(1 << 20):
+                got += chunk
+        assert 1 << 20 <= len(got) < len(want) // 2  # cut off, far from the whole reply
+        assert bytes(got) == want[:len(got)]  # nothing but what the lease covered
+    finally:
+        producer.close()
