@@ -62,14 +62,19 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
 
         c = out.outputs[0]
         first = c.token_ids[0]
-        finished = c.finish_reason in ("stop", "error", "abort") or user_max_tokens == 1
+        # Finished here: stopped, failed, asked for one token, or no room for a second one
+        # within this engine's context length.
+        room = self.instance.engine.scheduler.max_model_len - len(out.prompt_token_ids) - 1
+        finished = (c.finish_reason in ("stop", "error", "abort") or user_max_tokens == 1
+                    or room <= 0)
         resp = engine_pb2.PrefillResponse(
             first_token_id=first, num_cached_tokens=out.num_cached_tokens or 0,
             instance_id=self.instance.instance_id,
             prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs, out.prompt_token_ids),
-            # Text that could still turn out to start a stop string, or half a character,
-            # is left for the decode side to send.
-            first_text="" if has_stop_strings or c.text.endswith("\ufffd") else c.text)
+            # Unless the request ends here, text that could still turn out to start a stop
+            # string, or half a character, is left for the decode side to send.
+            first_text=c.text if finished or not (has_stop_strings or c.text.endswith("\ufffd"))
+            else "")
         if c.logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(c.logprobs[0], first))
             resp.first_logprob = c.cumulative_logprob or 0.0

@@ -24,20 +24,22 @@ CONNECTORS = ["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def clusters(tiny_model_dir, tmp_path_factory):
-    """`get(connector)`: a 1P1D cluster; the previous one is stopped first (CPU is scarce)."""
-    running: dict[str, Cluster] = {}
+    """`get(connector, *instance_args)`: a 1P1D cluster; the previous one is stopped first
+    (CPU is scarce)."""
+    running: dict[tuple, Cluster] = {}
 
-    def get(connector: str) -> Cluster:
-        if connector not in running:
+    def get(connector: str, *instance_args: str) -> Cluster:
+        key = (connector, *instance_args)
+        if key not in running:
             for other in running.values():
                 other.stop()
             running.clear()
             spec = ClusterSpec(model=str(tiny_model_dir), connector=connector, grpc_port=0,
                                disagg_threshold=THRESHOLD, kv_cache_memory_bytes=KV_BYTES,
-                               startup_timeout_s=90,
+                               startup_timeout_s=90, instance_args=instance_args,
                                log_dir=str(tmp_path_factory.mktemp(f"logs-{connector}")))
-            running[connector] = Cluster(spec).start()
-        return running[connector]
+            running[key] = Cluster(spec).start()
+        return running[key]
 
     yield get
     for cluster in running.values():
@@ -305,4 +307,31 @@ def test_disaggregated_matches_colocated(clusters, llm, connector):
         assert served.disaggregated and served.kv_connector == connector
         assert (served.prefill_instance, served.decode_instance) == ("prefill-0", "decode-0")
         assert served.prefill_attempts == 1
+    assert wait_for(lambda: all_free(cluster), timeout=15)
+
+
+# Last: it starts a cluster of its own.
+def test_a_request_that_ends_on_the_prefill_side_keeps_its_text(clusters, llm, tiny_model_dir):
+    """One token asked with stop strings set, a stop string inside the first token, and a
+    prompt that leaves the instances (shorter context than the router's) room for one token:
+    the prefill instance ends each, with the text, tokens and finish reason a colocated engine
+    of that context gives (no decode side to send them)."""
+    cluster = clusters("shm", "--max-model-len", "256")
+    short = LLM(str(tiny_model_dir), kv_cache_memory_bytes=KV_BYTES, max_model_len=256)
+    ids = list(range(4300, 4340))
+    first = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1),
+                         use_tqdm=False)[0].outputs[0].text
+    inner = next(first[i:] for i in range(1, len(first)) if first[i] not in first[:i])
+    full = list(range(1000, 1000 + 255))
+    for prompt, sampling in ((ids, {"max_tokens": 1, "stop": ["zzz"]}),
+                             (ids, {"max_tokens": 5, "stop": [inner]}),
+                             (full, {"max_tokens": 16, "ignore_eos": True})):
+        want = short.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0,
+                                                                          **sampling),
+                              use_tqdm=False)[0].outputs[0]
+        msgs = generate(cluster, prompt, temperature=0, **sampling)
+        assert tokens(msgs) == list(want.token_ids), sampling
+        assert "".join(m.text for m in msgs) == want.text, sampling
+        assert msgs[-1].finish_reason == want.finish_reason, sampling
+        assert msgs[-1].served_by.disaggregated and not msgs[-1].served_by.decode_instance
     assert wait_for(lambda: all_free(cluster), timeout=15)
