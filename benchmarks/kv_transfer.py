@@ -49,7 +49,9 @@ def serve(kind: str, num_blocks: int) -> None:
     """Producer process: allocate, fill, serve, print the descriptor, run until stdin closes."""
     transport = make_transport(kind, f"bench-prefill-{kind}")
     fill(transport.allocate_kv_cache(KVLayout(num_blocks=num_blocks, **SMOLLM2)))
-    print(PREFIX + json.dumps(transport.serve()), flush=True)
+    descriptor = transport.serve()
+    lease = ["bench", transport.grant("bench", range(num_blocks))]  # reads need a live lease
+    print(PREFIX + json.dumps({**descriptor, "bench_lease": lease}), flush=True)
     sys.stdin.read()
     transport.close()
 
@@ -80,7 +82,7 @@ def measure(kind: str, desc: dict, dec, tokens: int, pattern: str, iters: int) -
     dst = torch.zeros_like(src)
     dec.kv_cache.zero_()
     t0 = time.perf_counter()
-    moved = dec.read_blocks(desc, remote, local)
+    moved = dec.read_blocks(desc, remote, local, tuple(desc["bench_lease"]))
     first_ms = (time.perf_counter() - t0) * 1e3
     assert moved == nbytes, (moved, nbytes)
     expected = torch.zeros(dec.kv_cache.shape, dtype=dec.kv_cache.dtype)
@@ -90,7 +92,7 @@ def measure(kind: str, desc: dict, dec, tokens: int, pattern: str, iters: int) -
     xfer, copy = [], []
     for _ in range(iters + 2):  # two warm-ups, then interleaved samples
         t0 = time.perf_counter()
-        dec.read_blocks(desc, remote, local)
+        dec.read_blocks(desc, remote, local, tuple(desc["bench_lease"]))
         t1 = time.perf_counter()
         dst.copy_(src)
         t2 = time.perf_counter()

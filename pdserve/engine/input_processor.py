@@ -133,7 +133,7 @@ class InputProcessor:
         handle = kv.get("remote_handle")
         remote_kv = KVHandle.from_dict(handle) if handle else None
         prefilled = list(kv.get("output_token_ids") or [])
-        if prefilled and params.n != 1:
+        if (remote_kv or prefilled) and params.n != 1:  # one lease: one reader
             raise ValueError("n: must be 1 for a request continuing a remote prefill")
         if (remote_kv or prefilled) and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not computed for a request continuing a "

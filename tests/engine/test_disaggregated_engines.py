@@ -354,3 +354,52 @@ def test_arrived_kv_that_fills_the_pool_is_recomputed_rather_than_stall(tiny_mod
         assert decode.block_pool.num_free_blocks == 10
     finally:
         d_conn.close()
+
+
+def test_a_handle_used_again_after_its_lease_ended_reads_nothing(tiny_model_dir):
+    """A second decode engine given a handle the first one read and released (a router
+    retrying on another decode instance): its blocks may hold another prompt's KV by then, so
+    the read is refused and the prompt computed again, with colocated output."""
+    per_block = (4 << 20) // engine(tiny_model_dir, "probe").block_pool.num_blocks
+    prefill = engine(tiny_model_dir, "p", TransportConnector(make_transport("shm", "p")),
+                     kv_cache_memory_bytes=12 * per_block, kv_lease_s=30)
+    readers = [engine(tiny_model_dir, name, TransportConnector(make_transport("shm", name)))
+               for name in ("d1", "d2")]
+    colocated = engine(tiny_model_dir, "c")
+    a, b = list(range(1000, 1080)), list(range(2000, 2160))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = params.clone()
+    first.max_tokens = 1
+    try:
+        colocated.add_request("a", {"prompt_token_ids": a}, params)
+        want = run(colocated)["a"].outputs[0].token_ids
+        prefill.add_request("a", {"prompt_token_ids": a}, first,
+                            kv_transfer_params={"do_remote_decode": True})
+        out = run(prefill)["a"]
+        kv = {"remote_handle": out.kv_transfer_params["handle"],
+              "output_token_ids": out.outputs[0].token_ids}
+        readers[0].add_request("a", {"prompt_token_ids": a}, params, kv_transfer_params=kv)
+        assert run(readers[0])["a"].outputs[0].token_ids == want
+        assert prefill.release_kv("a")  # the first reader is done with it
+        prefill.add_request("b", {"prompt_token_ids": b}, first,  # reuses a's blocks
+                            kv_transfer_params={"do_remote_decode": True})
+        run(prefill)
+        readers[1].add_request("a", {"prompt_token_ids": a}, params, kv_transfer_params=kv)
+        assert run(readers[1])["a"].outputs[0].token_ids == want
+        [load] = readers[1].scheduler.load_results
+        assert not load.ok and "lease" in load.error
+    finally:
+        for e in (prefill, *readers):
+            e.connector.close()
+
+
+def test_a_handle_has_one_reader(pd_pair):
+    """n > 1 with a handle would read one lease once per sample (the first release ends it)."""
+    prefill, decode, _ = pd_pair
+    first = SamplingParams(temperature=0, max_tokens=1)
+    prefill.add_request("n", PROMPT, first, kv_transfer_params={"do_remote_decode": True})
+    handle = run(prefill)["n"].kv_transfer_params["handle"]
+    with pytest.raises(ValueError, match="^n: "):
+        decode.add_request("n", PROMPT, SamplingParams(n=2, temperature=0.8, seed=1),
+                           kv_transfer_params={"remote_handle": handle})
+    assert prefill.release_kv("n")

@@ -142,6 +142,8 @@ def test_transport_contract(kind: str, dtype: str, ending: str) -> None:
                 check_nixl_descriptor_exposes_no_memory(producer)
             if kind in ("tcp", "nixl"):
                 check_serves_only_live_leases(producer, dec)
+            if kind == "shm":
+                check_reads_only_live_leases(producer, dec)
             assert producer.proc.poll() is None
 
             if ending == "close":
@@ -231,6 +233,23 @@ def check_serves_only_live_leases(producer: Producer, dec) -> None:
     producer.expect("REVOKED")
     with pytest.raises(KVTransferError, match="no live lease"):
         dec.read_blocks(desc, [1, 2], [7, 8], producer.small_lease)
+    assert dec.read_blocks(desc, [1, 2], [7, 8], producer.lease) > 0  # the other lease lives
+    dec.kv_cache[:, :, [7, 8]] = 0
+
+
+def check_reads_only_live_leases(producer: Producer, dec) -> None:
+    """shm: a reader maps the producer's memory, so the lease is checked on the board in the
+    segment: a made-up or ended one reads nothing (its blocks may hold another prompt's KV)."""
+    desc = producer.descriptor
+    slot = producer.small_lease[1].split(".")[0]
+    for token in ("", "guess", f"{slot}.12345", "99999999.1"):
+        with pytest.raises(KVTransferError, match="lease"):
+            dec.read_blocks(desc, [1], [7], ("small", token))
+    producer.send("revoke small")
+    producer.expect("REVOKED")
+    with pytest.raises(KVTransferError, match="has ended"):
+        dec.read_blocks(desc, [1, 2], [7, 8], producer.small_lease)
+    assert not dec.kv_cache[:, :, [7, 8]].any()
     assert dec.read_blocks(desc, [1, 2], [7, 8], producer.lease) > 0  # the other lease lives
     dec.kv_cache[:, :, [7, 8]] = 0
 
