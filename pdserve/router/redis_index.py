@@ -1,8 +1,8 @@
 """Prefix index in Redis, shared by every router that points at the same Redis and key prefix.
 
 The key schema and the scripts that keep it are in redis_scripts.py: every write is one Lua
-script, atomic with respect to other routers, and none does more than about DRAIN hashes' work,
-so that no call blocks Redis (and every router's matches) for long.
+script, atomic with respect to other routers, and none does more than one batch of events' or
+about DRAIN hashes' work, so that no call blocks Redis (and every router's matches) for long.
 
 `match()` is one round trip: a pipeline of HKEYS P:blk:<hash> for the prompt's blocks plus one
 small script listing live instances; the prefix walk (stop at an instance's first miss) runs here.
@@ -33,16 +33,17 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from pdserve.router.kv_events import KVEventBatch
 from pdserve.router import redis_scripts as lua
+from pdserve.router.kv_events import KVEventBatch
 from pdserve.router.prefix_index import PrefixIndex, PrefixIndexConfig, check_caps
 from pdserve.router.wire_names import is_instance_id
 
 log = logging.getLogger(__name__)
 DRAIN = 4096  # hashes a script call handles at most (about 20 ms of Redis time)
 
+
 class RedisPrefixIndex(PrefixIndex):
-    """Prefix index kept in Redis (schema in the module docstring)."""
+    """Prefix index kept in Redis (schema in redis_scripts.py)."""
 
     def __init__(self, url: str = "redis://localhost:6379/0", *, key_prefix: str = "pdserve",
                  ttl_s: float = 10.0, socket_timeout_s: float = 0.1,
