@@ -28,6 +28,10 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 MAX_SCHEMA_DEPTH = 64  # JSON nesting: about 32 levels of nested object schemas
 MAX_SCHEMA_NODES = 20_000  # objects, arrays and values in one schema
 MAX_CHOICES = 4096
+# Source sizes: compile time grows with them too (a 250 KB regex took 20 s, 1 MB over 99 s;
+# 64 KB about 0.2 s, a 256 KB schema of enums about 1 s).
+MAX_CONSTRAINT_BYTES = 64 << 10  # a regex, grammar or structural tag; all choices together
+MAX_SCHEMA_BYTES = 256 << 10  # a JSON schema, as compact JSON
 # Text that no grammar holds (a string under one of these keys is not counted).
 _ANNOTATIONS = frozenset({"description", "title", "$comment"})
 # xgrammar prefixes its errors with "[time] file.cc:line: ".
@@ -103,7 +107,8 @@ class StructuredOutputsParams:
             _check_size(schema)
             if self.disable_additional_properties:
                 schema = _no_additional_properties(schema)
-            return GrammarSpec("json", json.dumps(schema, sort_keys=True), any_ws)
+            return GrammarSpec("json", _sized("json", json.dumps(schema, sort_keys=True),
+                                              MAX_SCHEMA_BYTES), any_ws)
         if kind == "json_object":
             return GrammarSpec("json_object", "", any_ws)
         if kind == "choice":
@@ -114,11 +119,20 @@ class StructuredOutputsParams:
             if len(value) > MAX_CHOICES:
                 raise ValueError(f"structured_outputs.choice: at most {MAX_CHOICES} choices, "
                                  f"got {len(value)}")
-            return GrammarSpec("choice", json.dumps(list(value), ensure_ascii=False))
+            return GrammarSpec("choice", _sized("choice", json.dumps(list(value),
+                                                                     ensure_ascii=False)))
         if not isinstance(value, str) or not value:
             raise ValueError(f"structured_outputs.{kind}: expected a non-empty string, "
-                             f"got {value!r}")
-        return GrammarSpec(kind, value)
+                             f"got {str(value)[:80]!r}")
+        return GrammarSpec(kind, _sized(kind, value))
+
+
+def _sized(kind: str, source: str, limit: int = MAX_CONSTRAINT_BYTES) -> str:
+    """`source`, or ValueError naming the field when its UTF-8 form is over `limit` bytes."""
+    size = len(source.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise ValueError(f"structured_outputs.{kind}: at most {limit} bytes, got {size}")
+    return source
 
 
 def _schema(value: Any) -> dict:

@@ -225,6 +225,11 @@ def _nested(depth: int) -> dict:
     ({"json": _nested(300), "disable_additional_properties": True}, "structured_outputs.json"),
     ({"json": {"enum": list(range(30_000))}}, "structured_outputs.json"),
     ({"choice": [f"c{i}" for i in range(5000)]}, "structured_outputs.choice"),
+    ({"choice": ["x" * 20_000] * 4}, "structured_outputs.choice"),  # 4 choices, 80 KB
+    ({"regex": "a" * (64 << 10) + "b"}, "structured_outputs.regex"),
+    ({"grammar": 'root ::= "' + "é" * (32 << 10) + '"'}, "structured_outputs.grammar"),
+    ({"json": {"type": "object", "description": "d" * (256 << 10)}},
+     "structured_outputs.json"),
 ])
 def test_constraints_too_big_to_compile_quickly_are_refused_naming_the_field(kwargs, field):
     """A grammar's compile time grows steeply with schema nesting and choice count, and a
@@ -237,3 +242,6 @@ def test_constraints_too_big_to_compile_quickly_are_refused_naming_the_field(kwa
 def test_constraints_at_the_bounds_are_accepted():
     assert StructuredOutputsParams(json=_nested(30)).spec.kind == "json"
     assert StructuredOutputsParams(choice=[f"c{i}" for i in range(4096)]).spec.kind == "choice"
+    assert StructuredOutputsParams(regex="a" * ((64 << 10) - 10)).spec.kind == "regex"
+    big = {"type": "object", "description": "d" * (200 << 10)}
+    assert StructuredOutputsParams(json=big).spec.kind == "json"
