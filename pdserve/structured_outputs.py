@@ -177,9 +177,10 @@ def _no_additional_properties(schema: Any) -> Any:
 
 
 def is_constraint_error(error: str) -> bool:
-    """A request's error caused by its own structured_outputs constraint (a client error:
-    HTTP 400 / INVALID_ARGUMENT), not by the server."""
-    return error.startswith("structured_outputs")
+    """A request's error caused by its own structured_outputs constraint, or by output tokens
+    it came with that the constraint refuses (a client error: HTTP 400 / INVALID_ARGUMENT),
+    not by the server."""
+    return error.startswith(("structured_outputs", "output_token_ids"))
 
 
 def choice_ebnf(choices: list[str]) -> str:

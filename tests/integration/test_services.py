@@ -135,9 +135,15 @@ def test_invalid_decode_arguments(pd):
                                   handle=common_pb2.KVHandle(connector="shm",
                                                              descriptor_json="{")), "handle"),
     ]
+    # Output tokens given as already sampled that the constraint refuses (token 1000 is "()"):
+    # the caller's error, not a failed instance.
+    digits = common_pb2.SamplingParams(max_tokens=4, structured_outputs=common_pb2.
+                                       StructuredOutputs(regex="[0-9]+"))
+    bad.append((engine_pb2.DecodeRequest(prompt_token_ids=PROMPT_IDS, sampling=digits,
+                                         output_token_ids=[PROMPT_IDS[0]]), "output_token_ids"))
     for request, field in bad:
         with pytest.raises(grpc.RpcError) as e:
-            list(d.Decode(request, timeout=10))
+            list(d.Decode(request, timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
         assert field in e.value.details()
 
