@@ -83,26 +83,34 @@ def event_from_dict(data: dict[str, Any]) -> KVEvent:
     kind = data.get("type")
     if kind == "stored":
         parent = data.get("parent_hash")
-        return BlockStored(_hashes(data.get("block_hashes")),
-                           None if parent is None else _hash(parent, "parent_hash"),
-                           int(data.get("num_tokens", 0)))
+        return BlockStored(check_hashes(data.get("block_hashes")),
+                           None if parent is None else check_hash(parent, "parent_hash"),
+                           check_num_tokens(int(data.get("num_tokens", 0))))
     if kind == "removed":
-        return BlockRemoved(_hashes(data.get("block_hashes")))
+        return BlockRemoved(check_hashes(data.get("block_hashes")))
     if kind == "all_cleared":
         return AllBlocksCleared()
     raise ValueError(f"events.type: unknown KV event type {kind!r}")
 
 
-def _hash(value: Any, name: str) -> int:
+def check_hash(value: Any, name: str) -> int:
+    """`value`, or ValueError naming `name` when it is not a block hash."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _HASH_LIMIT:
         raise ValueError(f"{name}: block hash must be an int in [0, 2^63), got {value!r}")
     return value
 
 
-def _hashes(values: Any) -> tuple[int, ...]:
+def check_hashes(values: Any) -> tuple[int, ...]:
+    """`values` as a tuple, or ValueError when one is not a block hash."""
     if not isinstance(values, list | tuple):
         raise ValueError("block_hashes: must be a list of ints")
-    return tuple(_hash(v, "block_hashes") for v in values)
+    return tuple(check_hash(v, "block_hashes") for v in values)
+
+
+def check_num_tokens(value: int) -> int:
+    if value < 0:
+        raise ValueError(f"num_tokens: must be >= 0, got {value}")
+    return value
 
 
 class KVEventSequencer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.proto.pdserve.v1 import router_pb2
-from pdserve.router.kv_events import KVEventBatch
+from pdserve.router.kv_events import KVEventBatch, check_hash, check_hashes, check_num_tokens
 
 
 def event_to_proto(event: KVEvent) -> router_pb2.KVEvent:
@@ -24,10 +24,11 @@ def event_from_proto(msg: router_pb2.KVEvent) -> KVEvent:
     kind = msg.WhichOneof("kind")
     if kind == "stored":
         s = msg.stored
-        return BlockStored(tuple(s.block_hashes),
-                           s.parent_hash if s.HasField("parent_hash") else None, s.num_tokens)
+        return BlockStored(check_hashes(tuple(s.block_hashes)),
+                           check_hash(s.parent_hash, "parent_hash") if s.HasField("parent_hash")
+                           else None, check_num_tokens(s.num_tokens))
     if kind == "removed":
-        return BlockRemoved(tuple(msg.removed.block_hashes))
+        return BlockRemoved(check_hashes(tuple(msg.removed.block_hashes)))
     if kind == "cleared":
         return AllBlocksCleared()
     raise ValueError("events: a KVEvent has no kind set")
@@ -40,7 +41,8 @@ def batch_to_proto(batch: KVEventBatch) -> router_pb2.KVEventBatch:
 
 
 def batch_from_proto(msg: router_pb2.KVEventBatch) -> KVEventBatch:
-    """Raises ValueError naming the field on a malformed batch."""
+    """Raises ValueError naming the field on a malformed batch (block hashes in [0, 2^63),
+    as the JSON form's)."""
     return KVEventBatch(msg.instance_id, msg.seq,
                         tuple(event_from_proto(e) for e in msg.events), msg.timestamp,
                         msg.medium or "gpu")

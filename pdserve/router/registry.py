@@ -26,7 +26,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.scorers.base import InstanceView
-from pdserve.router.wire_names import check_instance_id
+from pdserve.router.wire_names import check_address, check_instance_id
 
 DEFAULT_BLOCK_SIZE = 16
 ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "both", "both": "both"}
@@ -71,11 +71,7 @@ def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = 
     """Build an Instance from a Load; `address`/`role` (a static instance's) take precedence.
 
     Raises ValueError naming the field for a Load the router cannot use."""
-    address = address or load.address
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 255:
-        raise ValueError(f"address: expected the instance's gRPC HOST:PORT, got "
-                         f"{address[:80]!r}")
+    address = check_address(address or load.address)
     if load.block_size and (load.block_size > 1024 or load.block_size & (load.block_size - 1)):
         raise ValueError(f"block_size: expected a power of two up to 1024, got "
                          f"{load.block_size}")

@@ -27,6 +27,7 @@ from pdserve.models.loader import DEFAULT_MODEL, load_arch, load_tokenizer, reso
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
 from pdserve.router.core import RouterCore
+from pdserve.router.kv_events import check_hashes
 from pdserve.router.kv_events_wire import batch_from_proto
 from pdserve.router.prefix_index import (
     PrefixIndex,
@@ -91,7 +92,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def ResyncKVState(self, request, context):
         try:
             applied = self.index.resync(check_instance_id(request.instance_id),
-                                        list(request.block_hashes), request.seq,
+                                        list(check_hashes(tuple(request.block_hashes))),
+                                        request.seq,
                                         check_medium(request.medium or "gpu"))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -12,6 +12,8 @@ MAX_REQUEST_ID_CHARS = 256  # a client's; the router adds "-<12 hex>" on the way
 MAX_WIRE_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS + 32  # what instances accept
 _INSTANCE_ID = re.compile(r"[A-Za-z0-9._:@/\[\]-]{1,%d}" % MAX_INSTANCE_ID_CHARS)
 _MEDIUM = re.compile(r"[A-Za-z0-9_-]{1,16}")  # "gpu", "cpu", ...
+# HOST:PORT with a host name, an IPv4 address or a bracketed IPv6 one
+_ADDRESS = re.compile(r"[A-Za-z0-9._-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.%a-z]{2,60}\]:[0-9]{1,5}")
 
 
 def check_instance_id(value: Any, field: str = "instance_id") -> str:
@@ -20,6 +22,15 @@ def check_instance_id(value: Any, field: str = "instance_id") -> str:
     if not isinstance(value, str) or not _INSTANCE_ID.fullmatch(value):
         raise ValueError(f"{field}: expected 1-{MAX_INSTANCE_ID_CHARS} letters, digits or "
                          f"'._:@/[]-', got {str(value)[:40]!r}")
+    return value
+
+
+def check_address(value: Any, field: str = "address") -> str:
+    """`value`, or ValueError naming `field` unless it is a gRPC HOST:PORT (port 1-65535)
+    without spaces or control characters: the router and instances dial it and log it."""
+    if (not isinstance(value, str) or not _ADDRESS.fullmatch(value)
+            or not 0 < int(value.rsplit(":", 1)[1]) < 65536):
+        raise ValueError(f"{field}: expected a gRPC HOST:PORT, got {str(value)[:80]!r}")
     return value
 
 

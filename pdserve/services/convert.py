@@ -9,6 +9,7 @@ from pdserve.kv_transfer.connector import KVHandle
 from pdserve.outputs import Logprob
 from pdserve.pooling_params import PoolingParams
 from pdserve.proto.pdserve.v1 import common_pb2
+from pdserve.router.wire_names import check_address
 from pdserve.sampling_params import SamplingParams
 from pdserve.structured_outputs import StructuredOutputsParams
 
@@ -116,6 +117,8 @@ def handle_from_proto(msg: common_pb2.KVHandle) -> KVHandle:
                          f"{type(descriptor).__name__}")
     if descriptor.get("kind") != msg.connector:
         raise ValueError(f"handle.connector: {msg.connector!r} does not match the descriptor")
+    if msg.release_address:  # the decode side dials it to release the lease
+        check_address(msg.release_address, "handle.release_address")
     return KVHandle(msg.request_id, msg.engine_id, descriptor, tuple(msg.block_ids),
                     tuple(msg.block_hashes), msg.num_tokens, msg.lease_expires_at,
                     msg.release_address, msg.lease_token)

@@ -99,6 +99,7 @@ def test_fake_instance_cannot_register(cluster, want):
 @pytest.mark.parametrize("field, bad", [
     ("running_requests", {"running_requests": -10**6}),
     ("address", {"address": "decode-0-without-a-port"}),  # the router opens channels to it
+    ("address", {"address": "decode 0\n:50062"}),  # and logs it
     ("block_size", {"block_size": 24}),
 ])
 def test_member_heartbeat_with_a_bad_field_is_refused_naming_it(cluster, want, field, bad):
@@ -134,19 +135,30 @@ def test_member_cannot_register_instances_beyond_max_instances(cluster, want):
     assert tokens == want and last.served_by.decode_instance == "decode-0"
 
 
-def test_member_kv_events_with_an_oversized_medium_are_refused_naming_it(cluster, want):
-    """The medium is stored beside every block a batch or snapshot names: a short name only."""
+@pytest.mark.parametrize("field, batch_fields, snapshot_fields", [
+    ("medium", {"medium": "m" * 100_000}, {"medium": "m" * 100_000}),  # stored per block
+    ("block_hashes", {"events": [router_pb2.KVEvent(stored=router_pb2.BlockStored(
+        block_hashes=[1, -2], num_tokens=32))]}, {"block_hashes": [1, -2]}),
+    ("parent_hash", {"events": [router_pb2.KVEvent(stored=router_pb2.BlockStored(
+        block_hashes=[1], parent_hash=-1, num_tokens=16))]}, None),
+    ("num_tokens", {"events": [router_pb2.KVEvent(stored=router_pb2.BlockStored(
+        block_hashes=[1], num_tokens=-1))]}, None),
+])
+def test_member_kv_events_with_a_bad_field_are_refused_naming_it(cluster, want, field,
+                                                                 batch_fields, snapshot_fields):
+    """KV events over gRPC are checked as strictly as their JSON form (Redis publishers)."""
     member = [(TOKEN_HEADER, SECRET)]
-    huge = "m" * 100_000
-    batch = router_pb2.KVEventBatch(instance_id="decode-0", seq=10**6, medium=huge)
-    snapshot = router_pb2.KVStateSnapshot(instance_id="decode-0", seq=10**6, medium=huge,
-                                          block_hashes=[1, 2, 3])
-    for call in (lambda: router(cluster).PublishKVEvents(batch, timeout=5, metadata=member),
-                 lambda: router(cluster).ResyncKVState(snapshot, timeout=5, metadata=member)):
+    batch = router_pb2.KVEventBatch(instance_id="decode-0", seq=10**6, **batch_fields)
+    calls = [lambda: router(cluster).PublishKVEvents(batch, timeout=5, metadata=member)]
+    if snapshot_fields is not None:
+        snapshot = router_pb2.KVStateSnapshot(instance_id="decode-0", seq=10**6,
+                                              **{"block_hashes": [1, 2, 3], **snapshot_fields})
+        calls.append(lambda: router(cluster).ResyncKVState(snapshot, timeout=5, metadata=member))
+    for call in calls:
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "medium" in e.value.details()
+        assert field in e.value.details()
     tokens, last = generate(cluster, [("authorization", f"Bearer {API_KEY}")])
     assert tokens == want and last.served_by.decode_instance == "decode-0"
 

@@ -134,6 +134,11 @@ def test_invalid_decode_arguments(pd):
         (engine_pb2.DecodeRequest(prompt_token_ids=[1, 2], sampling=GREEDY,
                                   handle=common_pb2.KVHandle(connector="shm",
                                                              descriptor_json="{")), "handle"),
+        (engine_pb2.DecodeRequest(prompt_token_ids=[1, 2], sampling=GREEDY,
+                                  handle=common_pb2.KVHandle(
+                                      connector="shm", descriptor_json='{"kind": "shm"}',
+                                      release_address="prefill 0\n:50061")),
+         "handle.release_address"),  # the decode side dials it, and logs it
     ]
     # Output tokens given as already sampled that the constraint refuses (token 1000 is "()"):
     # the caller's error, not a failed instance.
