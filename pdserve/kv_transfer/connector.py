@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.transport import KVLayout, KVTransport, zeroed_kv_cache
+from pdserve.kv_transfer.transport import (KVLayout, KVTransport, binding_digest,
+                                          zeroed_kv_cache)
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ class TransportConnector(KVConnector):
                     lease_expires_at) -> KVHandle:
         if self._descriptor is None:
             self._descriptor = self.transport.serve()
-        token = self.transport.grant(request_id, block_ids)
+        token = self.transport.grant(request_id, block_ids,
+                                     binding_digest(block_ids, block_hashes, num_tokens))
         return KVHandle(request_id, self.transport.engine_id, self._descriptor,
                         tuple(block_ids), tuple(block_hashes), num_tokens, lease_expires_at,
                         lease_token=token)
@@ -201,8 +203,11 @@ class TransportConnector(KVConnector):
                                       f"this engine reads {self.kind!r}")
             if handle.lease_expires_at and time.time() > handle.lease_expires_at:
                 raise KVTransferError("the producer's lease on these blocks has expired")
-            moved = self.transport.read_blocks(handle.descriptor, remote, local,
-                                               lease=(handle.request_id, handle.lease_token))
+            # The token with the binding of what this handle claims: a handle whose blocks,
+            # hashes or token count are not the granted ones reads nothing.
+            binding = binding_digest(handle.block_ids, handle.block_hashes, handle.num_tokens)
+            moved = self.transport.read_blocks(handle.descriptor, remote, local, lease=(
+                handle.request_id, f"{handle.lease_token}.{binding}"))
             result = LoadResult(request_id, True, "", moved, time.perf_counter() - start, handle)
         except Exception as e:  # noqa: BLE001 - every failure is reported, none is lost
             result = LoadResult(request_id, False, f"{type(e).__name__}: {e}", 0,

@@ -33,15 +33,20 @@ class LeaseBoard:
         self._free = list(range(len(words) - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
 
-    def grant(self, lease_id: str) -> str:
-        """Publish a lease; its token for readers. KVTransferError when every slot is taken."""
+    def grant(self, lease_id: str, binding: str = "") -> str:
+        """Publish a lease; its token for readers ("<slot>.<nonce>"). The word holds the
+        nonce XOR the binding (KVTransport.grant), which a reader presents after the token.
+        KVTransferError when every slot is taken."""
         self.revoke(lease_id)  # a lease granted again gets a new nonce
+        bound = int(binding or "0", 16)
         with self._lock:
             if not self._free:
                 raise KVTransferError(f"all {len(self.words)} shm lease slots are taken")
             slot = self._free.pop()
-            nonce = secrets.randbits(63) | 1
-            self.words[slot] = nonce
+            nonce = 0
+            while nonce ^ bound == 0:
+                nonce = secrets.randbits(63) | 1
+            self.words[slot] = nonce ^ bound
             self._slot_of[lease_id] = slot
         return f"{slot}.{nonce}"
 
@@ -54,10 +59,14 @@ class LeaseBoard:
 
 
 def check_lease(words: np.ndarray, token: str) -> None:
-    """The reader's side: KVTransferError unless `token` names a live lease in `words`."""
-    slot_text, _, nonce_text = token.partition(".")
-    if not (slot_text.isdigit() and nonce_text.isdigit() and len(token) <= 40):
+    """The reader's side: KVTransferError unless `token` ("<slot>.<nonce>[.<binding>]") names
+    a live lease in `words`, granted for that binding."""
+    parts = token.split(".")
+    slot_text, nonce_text, binding = (parts + [""])[:3] if len(parts) in (2, 3) else ("", "", "")
+    if not (slot_text.isdigit() and nonce_text.isdigit() and len(token) <= 64
+            and all(c in "0123456789abcdef" for c in binding) and len(binding) <= 16):
         raise KVTransferError("malformed shm lease token")
-    slot, nonce = int(slot_text), int(nonce_text)
-    if slot >= len(words) or nonce == 0 or int(words[slot]) != nonce:
-        raise KVTransferError("the producer's lease on these blocks has ended")
+    slot, word = int(slot_text), int(nonce_text) ^ int(binding or "0", 16)
+    if slot >= len(words) or word == 0 or word >= 1 << 64 or int(words[slot]) != word:
+        raise KVTransferError("the producer's lease on these blocks has ended, or is not "
+                              "for these blocks")

@@ -90,11 +90,11 @@ class ShmTransport(KVTransport):
         return self._descriptor(segment=self.segment_path, inode=self._inode,
                                 lease_slots=LEASE_SLOTS, **self._owner)
 
-    def grant(self, lease_id: str, block_ids) -> str:
+    def grant(self, lease_id: str, block_ids, binding: str = "") -> str:
         """The lease goes on the board in the segment; readers check it there."""
         if self._board is None:
             raise KVTransferError("shm transport: allocate_kv_cache() before grant()")
-        return self._board.grant(lease_id)
+        return self._board.grant(lease_id, binding)
 
     def revoke(self, lease_id: str) -> None:
         if self._board is not None:

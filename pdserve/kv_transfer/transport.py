@@ -15,6 +15,7 @@ Descriptor (common keys; each backend adds its own, see its module):
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
 import mmap
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 from collections.abc import Sequence
 from typing import Any, ClassVar, Self
 
+import numpy as np
 import torch
 
 from pdserve.kv_transfer.block_runs import BlockRun, coalesce_runs
@@ -147,6 +149,15 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
     return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
+def binding_digest(block_ids: Sequence[int], block_hashes: Sequence[int],
+                   num_tokens: int) -> str:
+    """A lease's binding to what its handle claims (16 hex digits): the producer folds it into
+    the grant, the reader recomputes it from the handle it holds (KVTransport.grant)."""
+    data = np.array([len(block_ids), *block_ids, len(block_hashes), *block_hashes, num_tokens],
+                    dtype=np.int64)
+    return hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()
+
+
 def plane_bytes(cache: torch.Tensor) -> torch.Tensor:
     """(layers, 2, blocks, ...) contiguous cache -> (planes, blocks, chunk_bytes) uint8 view, no copy."""
     return cache.view(cache.shape[0] * 2, cache.shape[2], -1).view(torch.uint8)
@@ -192,15 +203,18 @@ class KVTransport(ABC):
     def serve(self) -> dict[str, Any]:
         """Start serving this engine's cache; return the JSON-serialisable descriptor. Idempotent."""
 
-    def grant(self, lease_id: str, block_ids: Sequence[int]) -> str:
+    def grant(self, lease_id: str, block_ids: Sequence[int], binding: str = "") -> str:
         """Let a reader presenting the returned token read `block_ids` until `revoke`.
 
-        Transports that serve over a connection (tcp) refuse every read outside a live grant;
-        shm and nixl readers map or register the producer's memory and check nothing per read.
+        With a `binding` (binding_digest of what the handle claims), the reader presents
+        "<token>.<binding>", the binding computed from the handle it was given: a handle whose
+        blocks, hashes or token count were changed reads nothing. tcp and nixl producers check
+        the token per read or registration; shm readers check it on the producer's board.
         """
         token = secrets.token_urlsafe(32)
         with self._grants_lock:
-            self._grants[lease_id] = (token, frozenset(int(b) for b in block_ids))
+            self._grants[lease_id] = (f"{token}.{binding}" if binding else token,
+                                      frozenset(int(b) for b in block_ids))
         return token
 
     def revoke(self, lease_id: str) -> None:

@@ -403,3 +403,42 @@ def test_a_handle_has_one_reader(pd_pair):
         decode.add_request("n", PROMPT, SamplingParams(n=2, temperature=0.8, seed=1),
                            kv_transfer_params={"remote_handle": handle})
     assert prefill.release_kv("n")
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("forgery", ["other blocks", "other hashes"])
+def test_a_handle_changed_from_what_was_granted_reads_nothing(tiny_model_dir, kind, forgery):
+    """A cluster-secret holder calling Decode directly with a handle whose blocks or hashes
+    are not those the lease was granted for (another prompt's KV under this prompt's hashes
+    would poison the decode side's prefix cache): the read is refused, the prompt computed
+    again, and later requests for it get colocated output."""
+    prefill = engine(tiny_model_dir, "p", TransportConnector(make_transport(kind, "p")),
+                     kv_lease_s=30)
+    decode = engine(tiny_model_dir, "d", TransportConnector(make_transport(kind, "d")))
+    colocated = engine(tiny_model_dir, "c")
+    a, b = list(range(1000, 1080)), list(range(3000, 3080))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = params.clone()
+    first.max_tokens = 1
+    try:
+        colocated.add_request("b", {"prompt_token_ids": b}, params)
+        want = run(colocated)["b"].outputs[0].token_ids
+        handles, firsts = {}, {}
+        for rid, ids in (("a", a), ("b", b)):
+            prefill.add_request(rid, {"prompt_token_ids": ids}, first,
+                                kv_transfer_params={"do_remote_decode": True})
+            out = run(prefill)[rid]
+            handles[rid], firsts[rid] = out.kv_transfer_params["handle"], out.outputs[0].token_ids
+        forged = ({**handles["b"], "block_ids": handles["a"]["block_ids"]}
+                  if forgery == "other blocks" else
+                  {**handles["a"], "block_hashes": handles["b"]["block_hashes"]})
+        decode.add_request("b", {"prompt_token_ids": b}, params, kv_transfer_params={
+            "remote_handle": forged, "output_token_ids": firsts["b"]})
+        assert run(decode)["b"].outputs[0].token_ids == want
+        [load] = decode.scheduler.load_results
+        assert not load.ok and "lease" in load.error
+        decode.add_request("again", {"prompt_token_ids": b}, params)  # from the prefix cache
+        assert run(decode)["again"].outputs[0].token_ids == want
+    finally:
+        prefill.connector.close()
+        decode.connector.close()
