@@ -48,6 +48,23 @@ def wait_for(predicate, timeout: float = 15) -> bool:
     return True
 
 
+def colocated_tokens(model_dir, ids, params) -> list[int]:
+    colocated = engine(model_dir, "c")
+    colocated.add_request("c", {"prompt_token_ids": ids}, params)
+    return run(colocated)["c"].outputs[0].token_ids
+
+
+def remote_prefill(prefill, rid, ids, params) -> dict:
+    """The kv_transfer_params a decode engine continues `ids` with, after `prefill` ran it."""
+    first = params.clone()
+    first.max_tokens = 1
+    prefill.add_request(rid, {"prompt_token_ids": ids}, first,
+                        kv_transfer_params={"do_remote_decode": True})
+    out = run(prefill)[rid]
+    return {"remote_handle": out.kv_transfer_params["handle"],
+            "output_token_ids": out.outputs[0].token_ids}
+
+
 def prefill_then_decode(prefill, decode, rid, params):
     p_params = params.clone()
     p_params.max_tokens = 1
@@ -365,25 +382,15 @@ def test_a_handle_used_again_after_its_lease_ended_reads_nothing(tiny_model_dir)
                      kv_cache_memory_bytes=12 * per_block, kv_lease_s=30)
     readers = [engine(tiny_model_dir, name, TransportConnector(make_transport("shm", name)))
                for name in ("d1", "d2")]
-    colocated = engine(tiny_model_dir, "c")
     a, b = list(range(1000, 1080)), list(range(2000, 2160))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    first = params.clone()
-    first.max_tokens = 1
+    want = colocated_tokens(tiny_model_dir, a, params)
     try:
-        colocated.add_request("a", {"prompt_token_ids": a}, params)
-        want = run(colocated)["a"].outputs[0].token_ids
-        prefill.add_request("a", {"prompt_token_ids": a}, first,
-                            kv_transfer_params={"do_remote_decode": True})
-        out = run(prefill)["a"]
-        kv = {"remote_handle": out.kv_transfer_params["handle"],
-              "output_token_ids": out.outputs[0].token_ids}
+        kv = remote_prefill(prefill, "a", a, params)
         readers[0].add_request("a", {"prompt_token_ids": a}, params, kv_transfer_params=kv)
         assert run(readers[0])["a"].outputs[0].token_ids == want
         assert prefill.release_kv("a")  # the first reader is done with it
-        prefill.add_request("b", {"prompt_token_ids": b}, first,  # reuses a's blocks
-                            kv_transfer_params={"do_remote_decode": True})
-        run(prefill)
+        remote_prefill(prefill, "b", b, params)  # reuses a's blocks
         readers[1].add_request("a", {"prompt_token_ids": a}, params, kv_transfer_params=kv)
         assert run(readers[1])["a"].outputs[0].token_ids == want
         [load] = readers[1].scheduler.load_results
@@ -415,25 +422,18 @@ def test_a_handle_changed_from_what_was_granted_reads_nothing(tiny_model_dir, ki
     prefill = engine(tiny_model_dir, "p", TransportConnector(make_transport(kind, "p")),
                      kv_lease_s=30)
     decode = engine(tiny_model_dir, "d", TransportConnector(make_transport(kind, "d")))
-    colocated = engine(tiny_model_dir, "c")
     a, b = list(range(1000, 1080)), list(range(3000, 3080))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    first = params.clone()
-    first.max_tokens = 1
+    want = colocated_tokens(tiny_model_dir, b, params)
     try:
-        colocated.add_request("b", {"prompt_token_ids": b}, params)
-        want = run(colocated)["b"].outputs[0].token_ids
-        handles, firsts = {}, {}
-        for rid, ids in (("a", a), ("b", b)):
-            prefill.add_request(rid, {"prompt_token_ids": ids}, first,
-                                kv_transfer_params={"do_remote_decode": True})
-            out = run(prefill)[rid]
-            handles[rid], firsts[rid] = out.kv_transfer_params["handle"], out.outputs[0].token_ids
-        forged = ({**handles["b"], "block_ids": handles["a"]["block_ids"]}
+        kv_a, kv_b = (remote_prefill(prefill, rid, ids, params) for rid, ids in (("a", a),
+                                                                             ("b", b)))
+        handle_a, handle_b = kv_a["remote_handle"], kv_b["remote_handle"]
+        forged = ({**handle_b, "block_ids": handle_a["block_ids"]}
                   if forgery == "other blocks" else
-                  {**handles["a"], "block_hashes": handles["b"]["block_hashes"]})
-        decode.add_request("b", {"prompt_token_ids": b}, params, kv_transfer_params={
-            "remote_handle": forged, "output_token_ids": firsts["b"]})
+                  {**handle_a, "block_hashes": handle_b["block_hashes"]})
+        decode.add_request("b", {"prompt_token_ids": b}, params,
+                           kv_transfer_params={**kv_b, "remote_handle": forged})
         assert run(decode)["b"].outputs[0].token_ids == want
         [load] = decode.scheduler.load_results
         assert not load.ok and "lease" in load.error
