@@ -14,6 +14,7 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.parent_watch import watch_parent
 from pdserve.ports import PortInUse, check_bindable
 from pdserve.version import version
+from pdserve.vllm_argv import normalize_argv
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -72,7 +73,13 @@ def check_ports(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand: its errors become one `error: ...` line on stderr, exit code 2 for
-    a bad value (ValueError), 1 for a busy port."""
+    a bad value (ValueError), 1 for a busy port. vLLM's spellings (`--max_model_len`) and
+    `--config FILE.yaml` are read as `vllm serve` reads them."""
+    try:
+        argv = normalize_argv(sys.argv[1:] if argv is None else list(argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         if args.command != "up":  # up's --cpu-cores are the pool it shares out

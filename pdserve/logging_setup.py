@@ -58,7 +58,7 @@ class JsonFormatter(logging.Formatter):
 
 def add_log_args(parser: argparse.ArgumentParser) -> None:
     """--log-level and --log-format."""
-    parser.add_argument("--log-level", default="info", choices=LEVELS,
+    parser.add_argument("--log-level", default="info", choices=LEVELS, type=str.lower,
                         help="the server's log level")
     parser.add_argument("--log-format", default="text", choices=FORMATS,
                         help="text lines, or one JSON object per line (time, level, logger, "

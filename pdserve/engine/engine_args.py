@@ -58,7 +58,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     trust_remote_code: bool = False
-    revision: str | None = None
+    revision: str | None = None  # of a Hugging Face repo id in the local cache
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"
+    download_dir: str | None = None
     enforce_eager: bool = False
     max_seq_len_to_capture: int | None = None
     compilation_config: int | dict | None = None
@@ -76,7 +79,7 @@ class EngineArgs:
         if self.tokenizer:
             source = resolve_tokenizer(self.tokenizer)
         else:
-            source = resolved or resolve_model(self.model)
+            source = resolved or resolve_model(self.model, self.revision)
         return TokenizerConfig(source, self.tokenizer_mode,
                                vllm_args.load_chat_template(self.chat_template))
 
@@ -86,7 +89,7 @@ class EngineArgs:
                                     SchedulerConfig)
         from pdserve.engine.generation_defaults import max_tokens_cap, sampling_defaults
 
-        resolved = resolve_model(self.model)
+        resolved = resolve_model(self.model, self.revision)
         vllm_args.check_args(self, resolved)
         arch = load_arch(resolved, self.hf_overrides)
         device = DeviceConfig.detect() if self.device == "auto" else DeviceConfig(self.device)
@@ -128,22 +131,46 @@ class EngineArgs:
         """Add one `--flag` per field (dashes for underscores), with the same defaults:
         booleans as `--flag` / `--no-flag`, lists as `--flag A [B ...]`, dicts as JSON."""
         for f in dataclasses.fields(EngineArgs):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
             kwargs: dict[str, Any] = {"default": f.default, "help": _HELP.get(f.name)}
             if f.type == "bool":
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.name in _HUMAN_INTS:  # as vLLM: 2k is 2000, 2K is 2048
+                kwargs.update(type=_HUMAN_INTS[f.name], metavar="N")
             elif f.type in _CLI_KINDS:
                 kwargs.update(_CLI_KINDS[f.type])
             else:
                 raise TypeError(f"EngineArgs.{f.name}: no CLI form for type {f.type!r}")
             if f.name in CHOICES:  # shown as {a,b}; checked when the config is built
                 kwargs["metavar"] = "{" + ",".join(CHOICES[f.name]) + "}"
-            parser.add_argument(flag, **kwargs)
+            parser.add_argument(*flags, **kwargs)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def human_int_or_auto(text: str) -> int | None:
+    """human_int, or None (the model's own) for -1 and auto, as vLLM's --max-model-len."""
+    return None if text.strip().lower() in ("auto", "-1") else human_int(text)
+
+
+def human_int(text: str) -> int:
+    """An int as vLLM's command line reads one: 1000, 1k (10^3), 1K (2^10), 25.6k, up to
+    t/T."""
+    scales = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+              "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, scale = (text[:-1], scales[text[-1]]) if text and text[-1] in scales else (text, 1)
+    try:
+        value = float(number) * scale if scale in (10**3, 10**6, 10**9, 10**12) else \
+            int(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 2048, 2k or 2K, got "
+                                         f"{text!r}") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
 
 
 def _json(text: str) -> Any:
@@ -163,6 +190,11 @@ _CLI_KINDS: dict[str, dict[str, Any]] = {
     "int | dict | None": {"type": _json, "metavar": "LEVEL|JSON"},
     "dict | None": {"type": _json, "metavar": "JSON"},
 }
+# Fields read as human_int, and vLLM's short flags.
+_HUMAN_INTS = {"max_model_len": human_int_or_auto, "max_num_batched_tokens": human_int,
+               "kv_cache_memory_bytes": human_int}
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
+                "quantization": ("-q",), "compilation_config": ("-O",)}
 # The values a choice field takes (validated by the config with a ValueError naming it).
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -226,6 +258,9 @@ _HELP = {
     "override_generation_config": "JSON of generation config fields set on top, e.g. "
                                   "{\"temperature\": 0.5}",
     "quantization": "none, or gguf for a .gguf model (dequantized when loaded)",
+    "revision": "the revision of a Hugging Face repo id in the local cache (default: main)",
+    "kv_cache_dtype": "only auto: the KV cache has the model's dtype",
+    "load_format": "auto, safetensors or gguf (by the model's files)",
     "tensor_parallel_size": "only 1 is supported",
     "pipeline_parallel_size": "only 1 is supported",
     "disable_log_stats": "servers log no periodic stats (throughput, requests, KV cache usage "

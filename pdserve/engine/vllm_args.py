@@ -29,8 +29,15 @@ _IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
                              "already)"),
     "trust_remote_code": (bool, "pdserve runs its own code for the architectures it supports, "
                                 "never code shipped with a checkpoint"),
-    "revision": (lambda v: v is not None,
-                 "models load from local files only (a path or the bundled model)"),
+    "download_dir": (lambda v: v is not None,
+                     "nothing is downloaded: models load from a path, the local Hugging Face "
+                     "cache or the bundled package"),
+}
+# (argument, the values accepted): the others raise ValueError naming the argument.
+_ACCEPTED = {
+    "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
+    "load_format": (("auto", "safetensors", "gguf"),
+                    "pdserve loads safetensors and .gguf files"),
 }
 
 
@@ -60,6 +67,10 @@ def check_args(args: Any, resolved: ResolvedModel) -> None:
         raise ValueError(f"quantization: {args.quantization!r} is not supported (pdserve "
                          f"loads unquantized safetensors, and dequantizes .gguf files: None, "
                          f"or 'gguf' for a .gguf model)")
+    for name, (accepted, why) in _ACCEPTED.items():
+        if getattr(args, name) not in accepted:
+            raise ValueError(f"{name}: {getattr(args, name)!r} is not supported ({why}: "
+                             f"{', '.join(accepted)})")
     if args.skip_tokenizer_init:
         raise ValueError("skip_tokenizer_init: True is not supported (the engine uses the "
                          "tokenizer for EOS, stop strings and bad_words)")

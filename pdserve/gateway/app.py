@@ -312,9 +312,10 @@ def build_app(backend: Backend, model_name: str | Sequence[str],
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "pdserve",
-            "root": info.root, "parent": None, "max_model_len": info.max_model_len}]}
+        return {"object": "list", "data": [{  # one card per served name, as vLLM's
+            "id": name, "object": "model", "created": created, "owned_by": "pdserve",
+            "root": info.root, "parent": None, "max_model_len": info.max_model_len}
+            for name in dict.fromkeys(names)]}
 
     @app.get("/health")
     @app.get("/ping")  # vLLM / SageMaker

@@ -24,11 +24,14 @@ from pdserve.cpu_budget import add_cpu_args
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
 from pdserve.gateway.tool_parsers import TOOL_PARSERS
+from pdserve.gateway.vllm_serve_args import (add_cors, add_vllm_serve_args,
+                                             check_vllm_serve_args, uvicorn_options)
 from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.services.auth import API_KEY_ENV, Credentials, add_credential_args
 
 DEFAULT_PORT = 8000
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # what vLLM users set: protects the API here too
 GRACEFUL_SHUTDOWN_S = 5
 logger = logging.getLogger(__name__)
 
@@ -37,9 +40,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     """The HTTP front's flags (not the engine's)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
-    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1/* (repeatable: any "
-                             f"of them; also ${API_KEY_ENV}, comma-separated; off by default)")
+    parser.add_argument("--api-key", action="extend", nargs="+", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* (several: any of "
+                             f"them; also ${API_KEY_ENV} or $VLLM_API_KEY, comma-separated; "
+                             "off by default)")
     parser.add_argument("--api-key-file", default=None, metavar="PATH",
                         help="file of accepted API keys, one per line (keeps them off the "
                              "command line)")
@@ -55,12 +59,15 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                              "tool_choice \"auto\": hermes (<tool_call> JSON blocks) or "
                              "llama3_json (default: none)")
     add_log_args(parser)
+    add_vllm_serve_args(parser)
 
 
 def gateway_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The keys /v1/* accepts: $PDSERVE_API_KEY's, --api-key's and --api-key-file's."""
-    return Credentials.load(None, tuple(args.api_key), args.api_key_file, env={
-        API_KEY_ENV: os.environ.get(API_KEY_ENV, "")}).api_keys
+    """The keys /v1/* accepts: $PDSERVE_API_KEY's (or vLLM's $VLLM_API_KEY's), --api-key's
+    and --api-key-file's."""
+    env = ",".join(os.environ.get(name, "") for name in (API_KEY_ENV, VLLM_API_KEY_ENV))
+    return Credentials.load(None, tuple(args.api_key), args.api_key_file,
+                            env={API_KEY_ENV: env}).api_keys
 
 
 def tool_parser_from_args(args: argparse.Namespace) -> str | None:
@@ -81,19 +88,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_http(app, host: str, port: int, log_level: str = "info") -> int:
+def serve_http(app, host: str, port: int, log_level: str = "info", **options) -> int:
     """Serve `app` until SIGTERM/SIGINT (uvicorn handles both, then runs app shutdown).
-    uvicorn logs through pdserve's handler (logging_setup), in its format."""
+    uvicorn logs through pdserve's handler (logging_setup), in its format; `options` are more
+    uvicorn.Config arguments (vllm_serve_args.uvicorn_options)."""
     import uvicorn
 
     sock = bind(host, port)
-    url = f"http://{host}:{sock.getsockname()[1]}"
+    scheme = "https" if options.get("ssl_keyfile") else "http"
+    url = f"{scheme}://{host}:{sock.getsockname()[1]}{options.get('root_path', '')}"
     description = getattr(app.state, "description", None)
     if description:
         logger.info("serving %s; OpenAI API on %s/v1", description, url)
     announce(f"pdserve gateway listening on {url}")
-    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
-                            log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    options = {"log_level": log_level, **options}
+    config = uvicorn.Config(app, access_log=options["log_level"] in ("debug", "trace"),
+                            log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            **options)
     # uvicorn stops gracefully on SIGTERM/SIGINT, then re-sends the signal to the handler it
     # found: make that a no-op, so a requested stop exits 0 like the other pdserve servers.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -121,11 +132,12 @@ def build_serve_app(args: argparse.Namespace):
     from pdserve.gateway.app import build_app
     from pdserve.models.loader import load_tokenizer, resolve_model
 
+    check_vllm_serve_args(args)
     engine_args = serve_engine_args(args)
     if args.router:
         from pdserve.gateway.router_backend import RouterBackend
 
-        resolved = resolve_model(engine_args.model)
+        resolved = resolve_model(engine_args.model, engine_args.revision)
         vllm_args.check_args(engine_args, resolved)
         tok = engine_args.create_tokenizer_config(resolved)
         from pdserve.services.auth import credentials_from_args
@@ -153,13 +165,15 @@ def build_serve_app(args: argparse.Namespace):
                     max_logprobs=engine_args.max_logprobs,
                     tool_parser=tool_parser_from_args(args),
                     max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes)
+    add_cors(app, args)
     app.state.description = description  # serve_http's startup line
     return app
 
 
 def run_serve(args: argparse.Namespace) -> int:
     setup_from_args(args)
-    return serve_http(build_serve_app(args), args.host, args.port, args.log_level)
+    return serve_http(build_serve_app(args), args.host, args.port, args.log_level,
+                      **uvicorn_options(args))
 
 
 def add_cli(subparsers) -> None:

@@ -53,14 +53,15 @@ def _bundled_gguf() -> Path:
     return path
 
 
-def resolve_model(model: str) -> ResolvedModel:
-    """Map a served-model name or local path to files on disk; never touches the network."""
+def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
+    """Map a served-model name or local path to files on disk (a cached repo at `revision`,
+    default main); never touches the network."""
     if model in _BUNDLED_NAMES:
         path = _bundled_gguf()
     else:
         path = Path(model).expanduser()
         if not path.exists() and is_repo_id(model):  # "org/name": the local HF cache
-            path = cached_snapshot(model)
+            path = cached_snapshot(model, revision)
         elif not path.exists():
             raise ValueError(
                 f"model: path {model!r} does not exist (use {DEFAULT_MODEL!r}, a local "

@@ -91,3 +91,13 @@ def test_llm_missing_repo_id_raises(hf_cache: Path) -> None:
 
     with pytest.raises(ValueError, match=r"^model: .*not in the local cache"):
         LLM("tiny-org/not-downloaded")
+
+
+def test_a_revision_picks_the_cached_snapshot_it_names(hf_cache: Path) -> None:
+    """As vLLM's --revision: a commit in the cache, and a clear error for one not there."""
+    from pdserve import EngineArgs
+
+    assert Path(resolve_model("tiny-org/tiny-llama", COMMIT).path).name == COMMIT
+    args = EngineArgs(model="tiny-org/tiny-llama", revision="f" * 40)
+    with pytest.raises(ValueError, match="revision 'f{40}'"):
+        args.create_engine_config()

@@ -19,7 +19,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 TEMPLATE = ("{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% endfor %}"
             "{% if add_generation_prompt %}<<assistant|{% endif %}")
 IGNORED = {"enforce_eager": True, "swap_space": 4, "cpu_offload_gb": 1,
-           "trust_remote_code": True, "revision": "main", "disable_custom_all_reduce": True,
+           "trust_remote_code": True, "download_dir": "/tmp", "disable_custom_all_reduce": True,
            "max_seq_len_to_capture": 8192, "compilation_config": {"level": 3}}
 
 

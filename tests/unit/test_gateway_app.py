@@ -298,7 +298,7 @@ def test_served_model_names(backend):
     app = build_app(backend, ["first", "second"], tokenizer=CharTokenizer(),
                     close_backend=False)
     with TestClient(app) as c:
-        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["first"]
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["first", "second"]
         r = c.post("/v1/completions", json={"model": "second", "prompt": "x", "max_tokens": 1})
         assert r.status_code == 200 and r.json()["model"] == "first"
         error(c.post("/v1/completions", json={"model": "third", "prompt": "x"}), 404)

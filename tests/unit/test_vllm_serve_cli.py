@@ -1,0 +1,106 @@
+"""`pdserve serve` takes what `vllm serve` users pass: vLLM's spellings, sizes and config
+files, its API-key environment variable, its HTTP-server flags (or a clear refusal)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from starlette.testclient import TestClient
+from test_gateway_app import CharTokenizer, FakeBackend, error
+
+from pdserve.cli import build_parser
+from pdserve.engine import vllm_args
+from pdserve.gateway.app import build_app
+from pdserve.gateway.server import gateway_api_keys, serve_engine_args
+from pdserve.gateway.vllm_serve_args import add_cors, check_vllm_serve_args, uvicorn_options
+from pdserve.vllm_argv import normalize_argv
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(normalize_argv(["serve", *argv]))
+
+
+def test_vllm_spellings_and_sizes(tiny_model_dir):
+    args = parse(str(tiny_model_dir), "--max_model_len", "1k", "--max-num-batched-tokens=2K",
+                 "-tp", "1", "-pp", "1", "--log-level", "DEBUG", "--kv-cache-memory-bytes",
+                 "64M", "--uvicorn-log-level", "WARNING")
+    assert (args.max_model_len, args.max_num_batched_tokens) == (1000, 2048)
+    assert args.kv_cache_memory_bytes == 64 << 20 and args.log_level == "debug"
+    assert uvicorn_options(args)["log_level"] == "warning"
+    engine = serve_engine_args(args)
+    assert engine.create_engine_config().model.max_model_len == 1000
+    assert parse(str(tiny_model_dir), "--max-model-len", "auto").max_model_len is None
+    with pytest.raises(SystemExit):
+        parse(str(tiny_model_dir), "--max-model-len", "1.5K")
+
+
+def test_a_config_file_gives_flags_that_the_command_line_overrides(tiny_model_dir, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {tiny_model_dir}\nport: 9123\nmax_model_len: 512\n"
+                      "enable_prefix_caching: false\nserved_model_name: [a, b]\n"
+                      "override_generation_config: {temperature: 0.5}\n")
+    args = parse("--config", str(config), "--port", "9200")
+    assert (args.model, args.port, args.max_model_len) == (str(tiny_model_dir), 9200, 512)
+    assert args.enable_prefix_caching is False and args.served_model_name == ["a", "b"]
+    assert args.override_generation_config == {"temperature": 0.5}
+    for bad in ("- a list\n", "key: [unclosed\n"):
+        config.write_text(bad)
+        with pytest.raises(ValueError, match="--config"):
+            normalize_argv(["serve", "--config", str(config)])
+
+
+def test_vllms_api_key_variable_protects_the_api(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-vllm-0123456789")
+    assert gateway_api_keys(parse()) == ("sk-vllm-0123456789",)
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert set(gateway_api_keys(parse("--api-key", "sk-a-0123456789", "sk-b-0123456789"))) \
+        == {"sk-a-0123456789", "sk-b-0123456789"}
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids"),
+    (["--middleware", "my.module.Middleware"], "--middleware"),
+    (["--response-role", "bot"], "--response-role"),
+    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile"),
+])
+def test_server_flags_pdserve_does_not_honour_are_refused_naming_them(argv, field):
+    with pytest.raises(ValueError, match=field):
+        check_vllm_serve_args(parse(*argv))
+
+
+def test_no_op_flags_are_accepted_and_said_so(caplog):
+    args = parse("--enable-log-requests", "--enable-prompt-tokens-details")
+    caplog.set_level("INFO", logger="pdserve")
+    check_vllm_serve_args(args)
+    assert sum("changes nothing here" in r.getMessage() for r in caplog.records) == 2
+    options = uvicorn_options(parse("--root-path", "/llm", "--ssl-keyfile", "k.pem",
+                                    "--ssl-certfile", "c.pem"))
+    assert (options["root_path"], options["ssl_keyfile"], options["ssl_certfile"]) == \
+        ("/llm", "k.pem", "c.pem")
+
+
+@pytest.mark.parametrize("flag, value", [("--kv-cache-dtype", "fp8"),
+                                         ("--load-format", "pt")])
+def test_engine_values_pdserve_cannot_honour_are_refused_naming_them(tiny_model_dir, flag,
+                                                                     value):
+    args = serve_engine_args(parse(str(tiny_model_dir), flag, value))
+    with pytest.raises(ValueError, match=flag[2:].replace("-", "_")):
+        args.create_engine_config()
+    assert "download_dir" in vllm_args.ignored_names()
+
+
+def test_cors_only_for_the_origins_named_and_every_served_name_listed():
+    origin = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+    for argv, allowed in (([], None), (["--allowed-origins", '["https://ui.example"]'],
+                                       "https://ui.example")):
+        app = build_app(FakeBackend(), ["first", "second"], "k", tokenizer=CharTokenizer(),
+                        close_backend=False)
+        add_cors(app, parse(*argv))
+        with TestClient(app) as c:
+            preflight = c.options("/v1/completions", headers=origin)
+            assert preflight.headers.get("access-control-allow-origin") == allowed
+            listed = c.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
+            assert [m["id"] for m in listed["data"]] == ["first", "second"]
+            error(c.get("/v1/models"), 401)  # CORS does not open the API
