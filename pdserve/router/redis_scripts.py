@@ -52,15 +52,18 @@ local function uncount(n)  -- P:nblocks goes when it reaches 0, so a swept index
   if type(left) == 'table' then recount()  -- not a number: count again
   elseif left <= 0 then redis.call('DEL', P .. 'nblocks') end
 end
--- An instance's blocks dropped at once when few; else its set is renamed to a grave (one
--- command), which later calls empty DRAIN hashes at a time, so no call blocks Redis long.
+-- An instance's blocks dropped at once while this call's budget of DRAIN hashes lasts; else
+-- its set is renamed to a grave (one command), which later calls empty, so no call blocks
+-- Redis long however many instances lapse at once.
 local DRAIN = tonumber(ARGV[#ARGV])
+local budget = DRAIN
 local function drop_blocks(id)
   local setk = P .. 'iblk:' .. id
   own(setk, 'set')
   local n = redis.call('SCARD', setk)
   if n == 0 then return end
-  if n <= DRAIN then
+  if n <= budget then
+    budget = budget - n
     local hs = redis.call('SMEMBERS', setk)
     for i = 1, #hs do redis.pcall('HDEL', P .. 'blk:' .. hs[i], id) end
     redis.call('DEL', setk)
@@ -75,7 +78,7 @@ end
 -- Empties graves, up to DRAIN hashes a call; a hash the instance holds again stays.
 local function drain()
   if redis.call('TYPE', P .. 'gone')['ok'] ~= 'hash' then return end
-  local graves, budget = redis.call('HGETALL', P .. 'gone'), DRAIN
+  local graves = redis.call('HGETALL', P .. 'gone')
   for i = 1, #graves, 2 do
     local grave, id = graves[i], graves[i + 1]
     if grave ~= '#' then

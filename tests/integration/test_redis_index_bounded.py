@@ -78,3 +78,20 @@ def test_a_cleared_cache_and_a_lapsed_instance_leave_no_keys_in_the_end(setup):
     for _ in range(12):
         index.sweep()
     assert raw.keys(f"{prefix}:*") == []
+
+
+def test_many_instances_lapsing_at_once_share_one_calls_budget(setup):
+    """Each lapsed instance's few blocks would be quick alone; together they are bounded too:
+    past DRAIN hashes in a call, the rest wait in graves for later calls."""
+    prefix, index, raw = setup
+    index.ttl_ms = 300
+    for k in range(6):
+        assert index.heartbeat(f"i{k}", {"role": "decode"})
+        assert index.apply(batch(f"i{k}", 0, BlockStored((100 * k + 1, 100 * k + 2, 100 * k + 3),
+                                                         None, 48)))
+    time.sleep(0.4)
+    assert index.sweep() == 6
+    assert graves(raw, prefix) == 6 * 3 - DRAIN  # one instance's 3 dropped, 1 drained
+    for _ in range(5):
+        index.sweep()
+    assert raw.keys(f"{prefix}:*") == []
