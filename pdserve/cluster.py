@@ -89,6 +89,9 @@ class ClusterSpec:
     cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and ("," in self.api_key or not self.api_key.strip()):
+            raise ValueError("api_key: one key, without commas (it reaches the gateway in "
+                             "$PDSERVE_API_KEY, a comma-separated list)")
         if self.disagg_threshold < 0 or self.disagg_min_running < 0:
             raise ValueError(f"disagg_threshold and disagg_min_running must be >= 0, got "
                              f"{self.disagg_threshold} and {self.disagg_min_running}")

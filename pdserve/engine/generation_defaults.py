@@ -80,7 +80,9 @@ def _read(folder: str, asked: bool) -> dict[str, Any]:
                              f"readable JSON ({e})") from None
         if not isinstance(model_config, dict):
             raise ValueError(f"generation_config: config.json in {folder!r} is not an object")
-        return GenerationConfig.from_model_config(model_config).to_diff_dict()
+        defaults = GenerationConfig().to_dict()  # what differs from these, as to_diff_dict
+        return {k: v for k, v in model_config.items()
+                if k in FIELDS and v is not None and v != defaults.get(k)}
     if asked:
         raise ValueError(f"generation_config: no generation_config.json or config.json in "
                          f"{folder!r}")

@@ -169,11 +169,15 @@ class TransportConnector(KVConnector):
                                                 device)
 
     def make_handle(self, request_id, block_ids, block_hashes, num_tokens,
-                    lease_expires_at) -> KVHandle:
+                    lease_expires_at) -> KVHandle | None:
         if self._descriptor is None:
             self._descriptor = self.transport.serve()
-        token = self.transport.grant(request_id, block_ids,
-                                     binding_digest(block_ids, block_hashes, num_tokens))
+        try:
+            token = self.transport.grant(request_id, block_ids,
+                                         binding_digest(block_ids, block_hashes, num_tokens))
+        except KVTransferError as e:  # e.g. every shm lease slot taken: decode recomputes
+            logger.warning("no KV handle for %s: %s", request_id, e)
+            return None
         return KVHandle(request_id, self.transport.engine_id, self._descriptor,
                         tuple(block_ids), tuple(block_hashes), num_tokens, lease_expires_at,
                         lease_token=token)

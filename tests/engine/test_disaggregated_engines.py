@@ -442,3 +442,29 @@ def test_a_handle_changed_from_what_was_granted_reads_nothing(tiny_model_dir, ki
     finally:
         prefill.connector.close()
         decode.connector.close()
+
+
+def test_a_prefill_finding_every_lease_slot_taken_gives_no_handle_and_goes_on(
+        tiny_model_dir, monkeypatch):
+    """shm publishes leases in a fixed number of slots: past them a prefill hands over no
+    handle (the decode side computes the prompt) instead of failing the engine's step."""
+    from pdserve.kv_transfer import shm_transport
+
+    monkeypatch.setattr(shm_transport, "LEASE_SLOTS", 2)
+    prefill = engine(tiny_model_dir, "p", TransportConnector(make_transport("shm", "p")),
+                     kv_lease_s=30)
+    first = SamplingParams(temperature=0, max_tokens=1)
+    try:
+        def handle(rid, start):
+            prefill.add_request(rid, {"prompt_token_ids": list(range(start, start + 40))},
+                                first, kv_transfer_params={"do_remote_decode": True})
+            return run(prefill)[rid].kv_transfer_params.get("handle")
+
+        assert handle("a", 1000) and handle("b", 2000)
+        free = prefill.num_free_blocks
+        assert handle("c", 3000) is None
+        assert prefill.num_free_blocks == free  # c's blocks were not kept for anyone
+        assert prefill.release_kv("a")
+        assert handle("d", 4000)  # a slot came back with a's release
+    finally:
+        prefill.connector.close()

@@ -227,9 +227,25 @@ def test_pods_restart_when_the_secrets_given_values_change():
     for case in CASES:
         values = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]
                   ["checksum/secret"] for d, _ in _pdserve_containers(_render(case))}
-        assert len(set(values.values())) == 1, values
-        sums[case] = next(iter(values.values()))
-    assert len(set(sums.values())) == len(CASES)
+        engines = {v for name, v in values.items() if name.endswith(("prefill", "decode"))}
+        fronts = {v for name, v in values.items() if name.endswith(("router", "gateway"))}
+        assert len(engines) == len(fronts) == 1, values  # alike, within each kind
+        sums[case] = (*engines, *fronts)
+    assert all(a != b for a, b in zip(*sums.values()))  # both change with the values
+
+
+def test_new_api_keys_restart_only_the_pods_that_read_them(tmp_path):
+    """Engines never read API keys: rotating them must not reload every model."""
+    def checksums(keys):
+        out = _run("template", RELEASE, str(CHART), "--namespace", "pdserve",
+                   values={**OVERRIDE, "apiKeys": keys}, tmp=tmp_path)
+        return {d["metadata"]["name"]: d["spec"]["template"]["metadata"].get(
+                "annotations", {}).get("checksum/secret") for d in yaml.safe_load_all(out)
+                if d and d["kind"] == "Deployment"}
+
+    before, after = checksums(["key-a-0123456789"]), checksums(["key-b-0123456789"])
+    assert {name for name in before if before[name] != after[name]} == {
+        "pdserve-router", "pdserve-gateway"}
 
 
 def test_override_values_reach_the_objects():

@@ -47,11 +47,16 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- end -}}
 
 {{/*
-A pod annotation that changes when the secret's given values do, so that pods restart with
-them (a generated cluster secret is kept across upgrades: it changes nothing).
+Pod annotations that change when the secret values a pod reads do, so that it restarts with
+them (a generated cluster secret is kept across upgrades: it changes nothing). Engines read the
+cluster secret only, so new API keys do not restart them. The API keys are hashed after the
+cluster secret, which salts them when it is set.
 */}}
 {{- define "pdserve.secretChecksum" -}}
 {{- list .Values.clusterSecret .Values.apiKeys | toJson | sha256sum -}}
+{{- end -}}
+{{- define "pdserve.clusterSecretChecksum" -}}
+{{- .Values.clusterSecret | toJson | sha256sum -}}
 {{- end -}}
 
 {{/* env: the API keys clients must present (comma-separated), when apiKeys is set. */}}
