@@ -12,7 +12,10 @@ from pdserve.proto.pdserve.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.router.channels import ChannelPool
 
 
-def test_a_bounded_pool_closes_the_least_recently_used_channel():
+def test_a_bounded_pool_closes_the_least_recently_used_channel(monkeypatch):
+    from pdserve.router import channels
+
+    monkeypatch.setattr(channels, "CLOSE_AFTER_S", 0.0)  # closes at the next use of the pool
     pool = ChannelPool(max_channels=2)
     try:
         a = pool.get("127.0.0.1:1")
@@ -20,6 +23,7 @@ def test_a_bounded_pool_closes_the_least_recently_used_channel():
         assert pool.get("127.0.0.1:1") is a  # cached; now more recently used than b's
         pool.decode("127.0.0.1:3")
         assert pool.addresses() == {"127.0.0.1:1", "127.0.0.1:3"}
+        pool.get("127.0.0.1:3")
         with pytest.raises(ValueError, match="closed"):  # b's channel was closed
             stub_b.Release(engine_pb2.ReleaseRequest(request_id="r"), timeout=1)
         pool.prefill("127.0.0.1:2")  # a fresh channel, closing a
@@ -66,3 +70,29 @@ def test_stubs_built_while_other_threads_discard_and_evict_never_crash():
             t.join()
         pool.close()
         sys.setswitchinterval(switch)
+
+
+def test_a_call_under_way_on_an_evicted_channel_finishes():
+    """A decode instance's Release to one prefill instance is not cut off because Releases
+    to 64 other addresses followed (the lease would stay held until it expires)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class SlowRelease(engine_pb2_grpc.PrefillServicer):
+        def Release(self, request, context):
+            threading.Event().wait(0.5)
+            return engine_pb2.ReleaseResponse(released=True)
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    engine_pb2_grpc.add_PrefillServicer_to_server(SlowRelease(), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    pool = ChannelPool(max_channels=1)
+    try:
+        call = pool.prefill(address).Release.future(engine_pb2.ReleaseRequest(request_id="r"),
+                                                    timeout=5)
+        pool.prefill("127.0.0.1:1")  # evicts the channel the call is on
+        assert address not in pool.addresses()
+        assert call.result().released
+    finally:
+        pool.close()
+        server.stop(0)
