@@ -10,7 +10,7 @@ JSON-serialisable descriptor returned by `serve()`. A consumer (decode) passes t
 `read_blocks`, which copies the chosen remote blocks into its own cache.
 
 Descriptor (common keys; each backend adds its own, see its module):
-    {"kind": "shm"|"tcp"|"nixl", "version": 1, "engine_id": str, "layout": KVLayout.to_dict()}
+    {"kind": "shm"|"tcp"|"nixl", "version": 2, "engine_id": str, "layout": KVLayout.to_dict()}
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import torch
 from pdserve.kv_transfer.block_runs import BlockRun, coalesce_runs
 from pdserve.kv_transfer.errors import KVTransferError
 
-DESCRIPTOR_VERSION = 1
+# 2: leases bound to their handle's claims (binding_digest), shm's lease board. A producer and
+# a reader of different versions refuse each other's descriptors by name, not by a lease error.
+DESCRIPTOR_VERSION = 2
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -255,7 +257,9 @@ class KVTransport(ABC):
             got = remote.get("kind") if isinstance(remote, dict) else type(remote).__name__
             raise KVTransferError(f"descriptor kind {got!r} cannot be read by a {self.kind!r} transport")
         if remote.get("version") != DESCRIPTOR_VERSION:
-            raise KVTransferError(f"unsupported descriptor version {remote.get('version')!r}")
+            raise KVTransferError(f"descriptor version {remote.get('version')!r}: this engine "
+                                  f"reads version {DESCRIPTOR_VERSION} (upgrade the prefill "
+                                  f"and decode instances together)")
         remote_layout = KVLayout.from_dict(remote.get("layout") or {})
         local_layout = self.layout
         local_layout.check_compatible(remote_layout)
