@@ -332,8 +332,9 @@ def test_shm_consumer_unmaps_a_dead_producers_segment() -> None:
 
 def test_a_descriptor_of_another_version_is_refused_by_name():
     """Mixed versions during an upgrade fail saying so, not with a misleading lease error."""
-    with consumer("tcp", LAYOUT, timeout_s=1.0) as dec:
-        remote = {"kind": "tcp", "version": 1, "engine_id": "old", "layout": LAYOUT,
+    layout = {**LAYOUT, "dtype": "float32"}
+    with consumer("tcp", layout, timeout_s=1.0) as dec:
+        remote = {"kind": "tcp", "version": 1, "engine_id": "old", "layout": layout,
                   "host": "127.0.0.1", "port": 1}
         with pytest.raises(KVTransferError, match="descriptor version 1"):
             dec.read_blocks(remote, [0], [0], ("lease", "token"))
