@@ -17,13 +17,24 @@ for arg in "$@"; do
     *) echo "setup.sh: unknown option $arg (expected --test, --cpu or --gpu)" >&2; exit 2 ;;
   esac
 done
-# The interpreter: $PYTHON, else python, else python3 (stock Debian has only python3).
-python=${PYTHON:-$(command -v python || command -v python3 || true)}
-if [ -z "$python" ] || ! "$python" -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
+# The interpreter: $PYTHON, else the first of python and python3 that is 3.11 or newer (stock
+# Debian has only python3).
+new_enough() { "$1" -c "import sys; sys.exit(sys.version_info < (3, 11))" 2>/dev/null; }
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+  for candidate in python python3; do
+    if command -v "$candidate" >/dev/null && new_enough "$candidate"; then
+      python=$(command -v "$candidate"); break
+    fi
+  done
+fi
+if [ -z "$python" ] || ! new_enough "$python"; then
   echo "setup.sh: needs Python >= 3.11 as python, python3 or \$PYTHON" >&2; exit 2
 fi
-# A system Python that forbids pip installs (PEP 668) needs a virtual environment first.
-if "$python" -c "import os, sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and
+# A system Python that forbids pip installs (PEP 668) needs a virtual environment first
+# (unless pip is told to install there anyway: PIP_BREAK_SYSTEM_PACKAGES=1).
+if [ -z "${PIP_BREAK_SYSTEM_PACKAGES:-}" ] && \
+   "$python" -c "import os, sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and
     os.path.exists(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED'))))"; then
   echo "setup.sh: $python is the system's Python, which refuses pip installs; make and enter a
   virtual environment first: $python -m venv .venv && . .venv/bin/activate" >&2

@@ -111,6 +111,10 @@ def test_setup_refuses_a_python_that_forbids_pip_installs(tmp_path):
     fake.chmod(0o755)
     done = _setup(PYTHON=str(fake))
     assert done.returncode == 2 and "virtual environment" in done.stderr, done.stderr
+    # pip told to install there anyway: past the check (the fake runs only `-c` code, so
+    # every later step finds its part installed)
+    allowed = _setup(PYTHON=str(fake), PIP_BREAK_SYSTEM_PACKAGES="1")
+    assert allowed.returncode == 0 and "virtual environment" not in allowed.stderr
     old = tmp_path / "old-python"
     old.write_text("#!/bin/sh\nexit 1\n")  # fails the version check
     old.chmod(0o755)
