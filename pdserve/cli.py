@@ -75,12 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand: its errors become one `error: ...` line on stderr, exit code 2 for
     a bad value (ValueError), 1 for a busy port. vLLM's spellings (`--max_model_len`) and
     `--config FILE.yaml` are read as `vllm serve` reads them."""
+    parser = build_parser()
     try:
-        argv = normalize_argv(sys.argv[1:] if argv is None else list(argv))
+        argv = normalize_argv(sys.argv[1:] if argv is None else list(argv), parser)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         if args.command != "up":  # up's --cpu-cores are the pool it shares out
             watch_parent()  # a child of `pdserve up` stops with it

@@ -395,3 +395,4 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # start_new_session: the group id is the child's pid
     except (ProcessLookupError, PermissionError):
         pass
+

@@ -38,7 +38,8 @@ MAX_RESTARTS = 5  # times `up` restarts one child that exited before it gives up
 
 # The engine flags the HTTP gateway in front of the router reads (tokenization and limits).
 _GATEWAY_ENGINE_FLAGS = frozenset({"tokenizer", "tokenizer_mode", "chat_template",
-                                   "served_model_name", "max_logprobs", "max_model_len"})
+                                   "served_model_name", "max_logprobs", "max_model_len",
+                                   "revision"})
 
 
 def engine_flags(args: argparse.Namespace, names: frozenset[str] | None = None) -> list[str]:
@@ -134,6 +135,7 @@ def run_up(args: argparse.Namespace) -> int:
         api_key=args.api_key, cluster_secret=secret, log_level=args.log_level,
         log_format=args.log_format, instance_args=tuple(engine_flags(args)),
         gateway_args=tuple(gateway_flags(args)),
+        router_args=("--revision", args.revision) if args.revision else (),
         cpu_cores=tuple(parse_cores(args.cpu_cores)) if args.cpu_cores else None,
         cpu_sharing=args.cpu_sharing)
     cluster = Cluster(spec)

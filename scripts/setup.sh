@@ -33,7 +33,8 @@ if [ -z "$python" ] || ! new_enough "$python"; then
 fi
 # A system Python that forbids pip installs (PEP 668) needs a virtual environment first
 # (unless pip is told to install there anyway: PIP_BREAK_SYSTEM_PACKAGES=1).
-if [ -z "${PIP_BREAK_SYSTEM_PACKAGES:-}" ] && \
+case "${PIP_BREAK_SYSTEM_PACKAGES:-}" in 1 | true | yes | on) break_system=1 ;; *) break_system=0 ;; esac
+if [ "$break_system" = 0 ] && \
    "$python" -c "import os, sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and
     os.path.exists(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED'))))"; then
   echo "setup.sh: $python is the system's Python, which refuses pip installs; make and enter a

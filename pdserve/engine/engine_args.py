@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine import vllm_args
@@ -163,13 +164,13 @@ def human_int(text: str) -> int:
               "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     number, scale = (text[:-1], scales[text[-1]]) if text and text[-1] in scales else (text, 1)
     try:
-        value = float(number) * scale if scale in (10**3, 10**6, 10**9, 10**12) else \
-            int(number) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer such as 2048, 2k or 2K, got "
-                                         f"{text!r}") from None
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+        binary = text[-1:] in ("K", "M", "G", "T")  # 2K: whole numbers only, as vLLM
+        value = int(number) * scale if binary else Decimal(number) * scale
+        if not Decimal(value).is_finite() or value != int(value):
+            raise ValueError
+    except (ArithmeticError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a whole number such as 2048, 2k, 25.6k or "
+                                         f"2K, got {text!r}") from None
     return int(value)
 
 

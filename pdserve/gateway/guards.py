@@ -61,7 +61,11 @@ class GuardMiddleware:
                 self.metrics.rejected(message["status"])
             await send(message)
 
-        if (self.api_keys and scope["path"].startswith(PROTECTED_PATHS)
+        # NOTE: behind --root-path, uvicorn puts the prefix in front of the path
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if (self.api_keys and path.startswith(PROTECTED_PATHS)
                 and not self._authorized(scope)):
             return await _send_error(counting_send, APIError(
                 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",

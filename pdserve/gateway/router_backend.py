@@ -60,7 +60,8 @@ class RouterBackend(Backend):
     supports_prompt_logprobs = True  # on the router's first message
     def __init__(self, address: str, model: str, max_model_len: int | None = None,
                  timeout_s: float | None = None, credentials: Credentials | None = None,
-                 sampling_defaults: tuple = (), max_tokens_cap: int | None = None):
+                 sampling_defaults: tuple = (), max_tokens_cap: int | None = None,
+                 revision: str | None = None):
         """`model`: the name or path the instances serve (its tokenizer and context length);
         `sampling_defaults`, `max_tokens_cap`: its recommended settings, as ModelInfo's."""
         self.sampling_defaults = tuple(sampling_defaults)
@@ -68,7 +69,7 @@ class RouterBackend(Backend):
         if max_model_len is None:
             from pdserve.models.loader import load_arch, resolve_model
 
-            max_model_len = load_arch(resolve_model(model)).max_position_embeddings
+            max_model_len = load_arch(resolve_model(model, revision)).max_position_embeddings
         self.address = address
         self.model = model
         self.max_model_len = max_model_len

@@ -63,9 +63,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
 
 
 def gateway_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The keys /v1/* accepts: $PDSERVE_API_KEY's (or vLLM's $VLLM_API_KEY's), --api-key's
-    and --api-key-file's."""
-    env = ",".join(os.environ.get(name, "") for name in (API_KEY_ENV, VLLM_API_KEY_ENV))
+    """The keys /v1/* accepts: $PDSERVE_API_KEY's, --api-key's and --api-key-file's; vLLM's
+    $VLLM_API_KEY when no --api-key is given (as vLLM, where the flag wins)."""
+    names = (API_KEY_ENV,) if args.api_key else (API_KEY_ENV, VLLM_API_KEY_ENV)
+    env = ",".join(os.environ.get(name, "") for name in names)
     return Credentials.load(None, tuple(args.api_key), args.api_key_file,
                             env={API_KEY_ENV: env}).api_keys
 
@@ -96,7 +97,7 @@ def serve_http(app, host: str, port: int, log_level: str = "info", **options) ->
 
     sock = bind(host, port)
     scheme = "https" if options.get("ssl_keyfile") else "http"
-    url = f"{scheme}://{host}:{sock.getsockname()[1]}{options.get('root_path', '')}"
+    url = f"{scheme}://{host}:{sock.getsockname()[1]}"
     description = getattr(app.state, "description", None)
     if description:
         logger.info("serving %s; OpenAI API on %s/v1", description, url)
@@ -150,7 +151,8 @@ def build_serve_app(args: argparse.Namespace):
                              engine_args.override_generation_config)
         backend = RouterBackend(args.router, engine_args.model, engine_args.max_model_len,
                                 credentials=credentials_from_args(args),
-                                sampling_defaults=defaults, max_tokens_cap=cap)
+                                sampling_defaults=defaults, max_tokens_cap=cap,
+                                revision=engine_args.revision)
         tokenizer = load_tokenizer(tok.source, tok.mode, tok.chat_template)
         names = vllm_args.served_names(engine_args.served_model_name) or (engine_args.model,)
         description = f"{names[0]} through the router at {args.router}"

@@ -41,6 +41,9 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-certfile", default=None, help="... and this certificate")
     parser.add_argument("--ssl-ca-certs", default=None,
                         help="the CA file of client certificates to accept")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                        help="client certificates: 0 not asked for, 1 optional, 2 required "
+                             "(Python's ssl.CERT_*), as vLLM's")
     parser.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
                         help="CORS: origins browsers may call from, e.g. '[\"*\"]' (default: "
                              "no CORS headers, unlike vLLM, whose default allows any origin)")
@@ -74,6 +77,9 @@ def check_vllm_serve_args(args: argparse.Namespace) -> None:
                          "command line; put a proxy in front instead)")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile: give both, or neither")
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        raise ValueError("--ssl-cert-reqs: needs --ssl-ca-certs (the CA of client "
+                         "certificates)")
     for name, why in _NO_OPS.items():
         if getattr(args, name):
             logger.info("--%s changes nothing here: %s", name.replace("_", "-"), why)
@@ -86,7 +92,7 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
         options["log_level"] = args.uvicorn_log_level
     if args.ssl_keyfile:
         options.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                       ssl_ca_certs=args.ssl_ca_certs)
+                       ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
     return options
 
 

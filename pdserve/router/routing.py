@@ -29,6 +29,7 @@ class RouterConfig:
     """How the router routes and how long it waits. Built once from the command line."""
 
     model: str = "SmolLM2-135M-Instruct"  # for the tokenizer (same as the instances')
+    revision: str | None = None  # of `model`, a repo id in the local Hugging Face cache
     disagg_threshold: int = 64  # uncached prompt tokens from which a prompt goes through P
     # Requests a decode instance must already run for a prompt to go through P (0: any); below
     # it, D prefills the prompt beside its few decodes (scorers/disaggregation.py says why).

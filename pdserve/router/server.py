@@ -118,9 +118,9 @@ class RouterServer:
             if ":" not in address:
                 raise ValueError(f"--prefill/--decode: expected HOST:PORT, got {address!r}")
         if tokenizer is None:
-            tokenizer = load_tokenizer(resolve_model(config.model))
+            tokenizer = load_tokenizer(resolve_model(config.model, config.revision))
         if not config.max_model_len:  # the instances' context length: the model's
-            arch = load_arch(resolve_model(config.model))
+            arch = load_arch(resolve_model(config.model, config.revision))
             config = dataclasses.replace(config, max_model_len=arch.max_position_embeddings)
         self.index = index or create_prefix_index(
             PrefixIndexConfig(max_instances=config.max_instances))
@@ -160,6 +160,8 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("router", help="serve the gRPC router in front of prefill and "
                                              "decode instances")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the served model (its tokenizer)")
+    p.add_argument("--revision", default=None,
+                   help="the model's revision, for a Hugging Face repo id in the local cache")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     p.add_argument("--prefill", action="append", default=[], metavar="ADDR",
@@ -204,7 +206,8 @@ def add_cli(subparsers) -> None:
 def run_router(args: argparse.Namespace) -> int:
     setup_from_args(args)
     try:
-        config = RouterConfig(model=args.model, disagg_threshold=args.disagg_threshold,
+        config = RouterConfig(model=args.model, revision=args.revision,
+                              disagg_threshold=args.disagg_threshold,
                               disagg_min_running=args.disagg_min_running,
                               prefill_attempts=args.prefill_attempts,
                               prefill_timeout_s=args.prefill_timeout_s,

@@ -18,7 +18,8 @@ from pdserve.vllm_argv import normalize_argv
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(normalize_argv(["serve", *argv]))
+    parser = build_parser()
+    return parser.parse_args(normalize_argv(["serve", *argv], parser))
 
 
 def test_vllm_spellings_and_sizes(tiny_model_dir):
@@ -44,10 +45,20 @@ def test_a_config_file_gives_flags_that_the_command_line_overrides(tiny_model_di
     assert (args.model, args.port, args.max_model_len) == (str(tiny_model_dir), 9200, 512)
     assert args.enable_prefix_caching is False and args.served_model_name == ["a", "b"]
     assert args.override_generation_config == {"temperature": 0.5}
+    config.write_text("model: other\napi_key: -starts-with-a-dash-0123\n"
+                      "allowed_origins: ['*']\nenable_log_requests: false\n"
+                      "allow_credentials: true\n")
+    args = parse(str(tiny_model_dir), "--config", str(config))  # the positional model wins
+    assert (args.model_tag, args.model) == (str(tiny_model_dir), "SmolLM2-135M-Instruct")
+    assert args.api_key == ["-starts-with-a-dash-0123"] and args.allowed_origins == ["*"]
+    assert not args.enable_log_requests and args.allow_credentials
+    prompt = "--max_model_len is what?"  # a value, not a flag: left as it is
+    assert build_parser().parse_args(normalize_argv(
+        ["generate", "--prompt", prompt], build_parser())).prompt == prompt
     for bad in ("- a list\n", "key: [unclosed\n"):
         config.write_text(bad)
         with pytest.raises(ValueError, match="--config"):
-            normalize_argv(["serve", "--config", str(config)])
+            normalize_argv(["serve", "--config", str(config)], build_parser())
 
 
 def test_vllms_api_key_variable_protects_the_api(monkeypatch):
@@ -104,3 +115,40 @@ def test_cors_only_for_the_origins_named_and_every_served_name_listed():
             listed = c.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
             assert [m["id"] for m in listed["data"]] == ["first", "second"]
             error(c.get("/v1/models"), 401)  # CORS does not open the API
+
+
+def test_behind_a_root_path_the_api_key_still_guards_the_api():
+    """uvicorn puts --root-path in front of the request's path (as ASGI says): the key check
+    looks past it."""
+    import asyncio
+
+    from pdserve.gateway.guards import GuardMiddleware
+    from pdserve.gateway.metrics import GatewayMetrics
+
+    reached, sent = [], []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    guard = GuardMiddleware(inner, ("k",), 1 << 20, GatewayMetrics("m"))
+    for headers in ([], [(b"authorization", b"Bearer k")]):
+        scope = {"type": "http", "method": "GET", "path": "/llm/v1/models",
+                 "root_path": "/llm", "headers": headers}
+        asyncio.run(guard(scope, None, send))
+    assert sent[0]["status"] == 401 and reached == ["/llm/v1/models"]
+
+
+def test_the_flag_wins_over_vllms_variable_and_client_certificates_need_a_ca(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-old-key-0123456789")
+    assert gateway_api_keys(parse("--api-key", "sk-new-key-0123456789")) == \
+        ("sk-new-key-0123456789",)
+    with pytest.raises(ValueError, match="--ssl-cert-reqs"):
+        check_vllm_serve_args(parse("--ssl-cert-reqs", "2"))
+    options = uvicorn_options(parse("--ssl-keyfile", "k", "--ssl-certfile", "c",
+                                    "--ssl-ca-certs", "ca", "--ssl-cert-reqs", "2"))
+    assert (options["ssl_ca_certs"], options["ssl_cert_reqs"]) == ("ca", 2)
+    assert parse("--max-model-len", "16.1k").max_model_len == 16100
