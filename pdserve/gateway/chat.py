@@ -80,7 +80,8 @@ class ChatRun:
     def _logprobs(self, positions, token_ids) -> dict | None:
         if not self.req.logprobs or positions is None:
             return None
-        return chat_logprobs(self.ctx, positions, token_ids, self.k)
+        return chat_logprobs(self.ctx, positions, token_ids, self.k,
+                             self.ctx.tokens_as_ids(self.req))
 
     async def respond(self, gen: Generation) -> dict:
         choices: dict[int, Choice] = {}

@@ -95,7 +95,8 @@ class CompletionRun:
             c, p = choices.get(idx, Choice()), idx // self.n
             text, logprobs = c.text, None
             if self.req.logprobs is not None:
-                fmt = CompletionLogprobs(self.ctx, self.req.logprobs)
+                fmt = CompletionLogprobs(self.ctx, self.req.logprobs,
+                                         as_ids=self.ctx.tokens_as_ids(self.req))
                 if self.req.echo:
                     logprobs = self.echo_logprobs(p, fmt)
                 logprobs = _merge(logprobs, fmt.format(c.logprobs, c.token_ids))
@@ -133,7 +134,8 @@ class CompletionRun:
                 counts[idx] = counts.get(idx, 0) + len(d.token_ids)
                 text, logprobs = d.text, None
                 first = idx not in fmts
-                fmt = fmts.setdefault(idx, CompletionLogprobs(self.ctx, self.req.logprobs or 0))
+                fmt = fmts.setdefault(idx, CompletionLogprobs(
+                    self.ctx, self.req.logprobs or 0, as_ids=self.ctx.tokens_as_ids(self.req)))
                 if self.req.echo and first:
                     text = self.echo_text(idx // self.n) + text
                     if self.req.logprobs is not None:

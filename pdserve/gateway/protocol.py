@@ -92,6 +92,8 @@ class _SamplingRequest(_Body):
 
     model: str | None = None
     max_tokens: int | None = None
+    # vLLM's: logprobs name tokens "token_id:<id>" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(default=1, le=WIRE_LIMITS["n"])  # a beam search's width too

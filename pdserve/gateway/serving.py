@@ -29,6 +29,12 @@ class ServingContext:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # The most max_tokens a request gets, even one that asks for more (None: no cap).
     max_tokens_cap: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" by default
+
+    def tokens_as_ids(self, req) -> bool:
+        """Whether `req`'s logprobs name tokens by id (its own field, else the server's)."""
+        asked = getattr(req, "return_tokens_as_token_ids", None)
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, as the engine's input processor makes them."""
@@ -145,21 +151,21 @@ class CompletionLogprobs:
     """Legacy completions format: tokens, token_logprobs, top_logprobs, text_offset.
     `top_logprobs` holds the k most likely tokens plus the sampled one, as OpenAI's did."""
 
-    def __init__(self, ctx: ServingContext, k: int, offset: int = 0):
-        self.ctx, self.k, self.offset = ctx, k, offset
+    def __init__(self, ctx: ServingContext, k: int, offset: int = 0, as_ids: bool = False):
+        self.ctx, self.k, self.offset, self.as_ids = ctx, k, offset, as_ids
 
     def format(self, positions: list[PositionLogprobs], token_ids: list[int]) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}
         for pos, tid in zip(positions, token_ids):
             if pos:
-                text = pos[0].text
-                top = {e.text: _lp(e.logprob) for e in _ranked(pos, self.k)}
+                text = _token(pos[0], self.as_ids)
+                top = {_token(e, self.as_ids): _lp(e.logprob) for e in _ranked(pos, self.k)}
                 top.setdefault(text, _lp(pos[0].logprob))
                 out["token_logprobs"].append(_lp(pos[0].logprob))
                 out["top_logprobs"].append(top)
             else:
-                text = self.ctx.decode([tid])
+                text = f"token_id:{tid}" if self.as_ids else self.ctx.decode([tid])
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
             out["tokens"].append(text)
@@ -182,8 +188,14 @@ def prompt_logprobs_json(positions: list[PositionLogprobs], k: int) -> list[dict
     return out
 
 
+def _token(entry: TokenLogprob, as_ids: bool) -> str:
+    """A logprob entry's token: its text, or "token_id:<id>" (vLLM's, for tokens whose text
+    is not valid UTF-8 on its own)."""
+    return f"token_id:{entry.token_id}" if as_ids else entry.text
+
+
 def chat_logprobs(ctx: ServingContext, positions: list[PositionLogprobs],
-                  token_ids: list[int], k: int) -> dict:
+                  token_ids: list[int], k: int, as_ids: bool = False) -> dict:
     """Chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     def entry(text: str, logprob: float | None) -> dict:
         return {"token": text, "logprob": MIN_LOGPROB if logprob is None else _lp(logprob),
@@ -192,10 +204,11 @@ def chat_logprobs(ctx: ServingContext, positions: list[PositionLogprobs],
     content = []
     for pos, tid in zip(positions, token_ids):
         if pos:
-            item = entry(pos[0].text, pos[0].logprob)
-            item["top_logprobs"] = [entry(e.text, e.logprob) for e in _ranked(pos, k)]
+            item = entry(_token(pos[0], as_ids), pos[0].logprob)
+            item["top_logprobs"] = [entry(_token(e, as_ids), e.logprob)
+                                    for e in _ranked(pos, k)]
         else:
-            item = entry(ctx.decode([tid]), None)
+            item = entry(f"token_id:{tid}" if as_ids else ctx.decode([tid]), None)
             item["top_logprobs"] = []
         content.append(item)
     return {"content": content}

@@ -59,7 +59,8 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-role", default="assistant",
                         help="only assistant, the role of chat completions here")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
-                        help="not supported (logprobs carry token ids beside their text)")
+                        help="logprobs name tokens \"token_id:<id>\" instead of their text (a "
+                             "request's return_tokens_as_token_ids wins)")
     parser.add_argument("--middleware", action="append", default=[],
                         help="not supported: pdserve imports no code named on its command line")
 
@@ -69,9 +70,6 @@ def check_vllm_serve_args(args: argparse.Namespace) -> None:
     if args.response_role != "assistant":
         raise ValueError(f"--response-role: only 'assistant' is supported, got "
                          f"{args.response_role!r}")
-    if args.return_tokens_as_token_ids:
-        raise ValueError("--return-tokens-as-token-ids: not supported (each logprob entry "
-                         "carries its token id beside its text)")
     if args.middleware:
         raise ValueError("--middleware: not supported (pdserve imports no code named on its "
                          "command line; put a proxy in front instead)")

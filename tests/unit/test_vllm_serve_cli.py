@@ -71,7 +71,6 @@ def test_vllms_api_key_variable_protects_the_api(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, field", [
-    (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids"),
     (["--middleware", "my.module.Middleware"], "--middleware"),
     (["--response-role", "bot"], "--response-role"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile"),
@@ -152,3 +151,23 @@ def test_the_flag_wins_over_vllms_variable_and_client_certificates_need_a_ca(mon
                                     "--ssl-ca-certs", "ca", "--ssl-cert-reqs", "2"))
     assert (options["ssl_ca_certs"], options["ssl_cert_reqs"]) == ("ca", 2)
     assert parse("--max-model-len", "16.1k").max_model_len == 16100
+
+
+def test_logprobs_name_tokens_by_id_when_asked():
+    """vLLM's return_tokens_as_token_ids (server flag or request field): each logprob token is
+    "token_id:<id>", so tokens whose text is no whole character stay identifiable."""
+    for server_default, field, want in ((False, None, "a"), (True, None, "token_id:97"),
+                                        (True, False, "a"), (False, True, "token_id:97")):
+        app = build_app(FakeBackend(), "m", tokenizer=CharTokenizer(), close_backend=False,
+                        return_tokens_as_token_ids=server_default)
+        extra = {} if field is None else {"return_tokens_as_token_ids": field}
+        with TestClient(app) as c:
+            lp = c.post("/v1/completions", json={"prompt": "p", "max_tokens": 2, "logprobs": 1,
+                                                 **extra}).json()["choices"][0]["logprobs"]
+            assert lp["tokens"][0] == want and want in lp["top_logprobs"][0]
+            chat = c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "logprobs": True, "top_logprobs": 1, **extra}).json()
+            [entry] = chat["choices"][0]["logprobs"]["content"]
+            assert entry["token"] == want and entry["top_logprobs"][0]["token"] == want
+            assert entry["bytes"] == list(want.encode())
