@@ -71,6 +71,10 @@ def check_args(args: Any, resolved: ResolvedModel) -> None:
         if getattr(args, name) not in accepted:
             raise ValueError(f"{name}: {getattr(args, name)!r} is not supported ({why}: "
                              f"{', '.join(accepted)})")
+    has = "gguf" if resolved.gguf_file else "safetensors"
+    if args.load_format not in ("auto", has):
+        raise ValueError(f"load_format: {args.load_format!r}, but the model's weights are "
+                         f"{has}")
     if args.skip_tokenizer_init:
         raise ValueError("skip_tokenizer_init: True is not supported (the engine uses the "
                          "tokenizer for EOS, stop strings and bad_words)")

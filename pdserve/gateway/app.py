@@ -184,7 +184,8 @@ def build_app(backend: Backend, model_name: str | Sequence[str],
               max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               metrics: GatewayMetrics | None = None, close_backend: bool = True,
-              return_tokens_as_token_ids: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False,
+              response_role: str = "assistant") -> FastAPI:
     """The OpenAI-format app over `backend`, serving it as `model_name` (vLLM's
     served_model_name: a name, or names of which the first is reported). The tokenizer (for
     chat templates and prompt lengths) is the backend's when not given; `max_logprobs` bounds
@@ -205,7 +206,7 @@ def build_app(backend: Backend, model_name: str | Sequence[str],
     ctx = ServingContext(backend, tokenizer, model_name, info.max_model_len, metrics,
                          info.max_logprobs if max_logprobs is None else max_logprobs,
                          tool_parser, dict(info.sampling_defaults), info.max_tokens_cap,
-                         return_tokens_as_token_ids)
+                         return_tokens_as_token_ids, response_role)
     admission = Admission(max_concurrency)
     served_names = {*names, info.id, info.root}
     created = int(time.time())

@@ -37,6 +37,9 @@ class ChatRun:
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest):
         self.ctx, self.req = ctx, req
+        # vLLM's: the server's --response-role, or the last message's role when the request
+        # continues it (add_generation_prompt false)
+        self.role = ctx.response_role if req.add_generation_prompt else req.messages[-1].role
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.tool_choice = req.effective_tool_choice
@@ -94,8 +97,8 @@ class ChatRun:
         for idx in range(self.req.n):
             c = choices.get(idx, Choice())
             tools = self._tools()
-            message = tools.message(c.text) if tools else {"role": "assistant",
-                                                           "content": c.text}
+            message = tools.message(c.text) if tools else {"content": c.text}
+            message = {"role": self.role, **{k: v for k, v in message.items() if k != "role"}}
             called = bool(message.get("tool_calls"))
             choice = {"index": idx, "message": message,
                       "logprobs": self._logprobs(c.logprobs, c.token_ids),
@@ -129,7 +132,7 @@ class ChatRun:
             ids = self.req.return_token_ids
             for idx in range(self.req.n):
                 chunk = self._chunk([{"index": idx,
-                                      "delta": {"role": "assistant", "content": ""},
+                                      "delta": {"role": self.role, "content": ""},
                                       "logprobs": None, "finish_reason": None}])
                 if ids and idx == 0:
                     chunk["prompt_token_ids"] = self.prompt_ids

@@ -167,7 +167,8 @@ def build_serve_app(args: argparse.Namespace):
                     max_logprobs=engine_args.max_logprobs,
                     tool_parser=tool_parser_from_args(args),
                     max_concurrency=args.max_concurrency, max_body_bytes=args.max_body_bytes,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    response_role=args.response_role)
     add_cors(app, args)
     app.state.description = description  # serve_http's startup line
     return app

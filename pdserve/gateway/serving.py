@@ -30,6 +30,7 @@ class ServingContext:
     # The most max_tokens a request gets, even one that asks for more (None: no cap).
     max_tokens_cap: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" by default
+    response_role: str = "assistant"  # the role of chat completions' messages
 
     def tokens_as_ids(self, req) -> bool:
         """Whether `req`'s logprobs name tokens by id (its own field, else the server's)."""

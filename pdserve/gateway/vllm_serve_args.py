@@ -57,7 +57,8 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), action="store_true",
                             help=f"accepted for vLLM compatibility: {why}")
     parser.add_argument("--response-role", default="assistant",
-                        help="only assistant, the role of chat completions here")
+                        help="the role of chat completions' messages (when the request adds a "
+                             "generation prompt; else the last message's role)")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="logprobs name tokens \"token_id:<id>\" instead of their text (a "
                              "request's return_tokens_as_token_ids wins)")
@@ -67,9 +68,8 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def check_vllm_serve_args(args: argparse.Namespace) -> None:
     """ValueError naming a flag pdserve cannot honour; one log line per accepted no-op."""
-    if args.response_role != "assistant":
-        raise ValueError(f"--response-role: only 'assistant' is supported, got "
-                         f"{args.response_role!r}")
+    if not args.response_role or len(args.response_role) > 64:
+        raise ValueError(f"--response-role: expected a role name, got {args.response_role!r}")
     if args.middleware:
         raise ValueError("--middleware: not supported (pdserve imports no code named on its "
                          "command line; put a proxy in front instead)")

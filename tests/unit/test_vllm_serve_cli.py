@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 from starlette.testclient import TestClient
-from test_gateway_app import CharTokenizer, FakeBackend, error
+from test_gateway_app import CharTokenizer, FakeBackend, error, events
 
 from pdserve.cli import build_parser
 from pdserve.engine import vllm_args
@@ -72,7 +72,7 @@ def test_vllms_api_key_variable_protects_the_api(monkeypatch):
 
 @pytest.mark.parametrize("argv, field", [
     (["--middleware", "my.module.Middleware"], "--middleware"),
-    (["--response-role", "bot"], "--response-role"),
+    (["--response-role", ""], "--response-role"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile"),
 ])
 def test_server_flags_pdserve_does_not_honour_are_refused_naming_them(argv, field):
@@ -92,7 +92,7 @@ def test_no_op_flags_are_accepted_and_said_so(caplog):
 
 
 @pytest.mark.parametrize("flag, value", [("--kv-cache-dtype", "fp8"),
-                                         ("--load-format", "pt")])
+                                         ("--load-format", "pt"), ("--load-format", "gguf")])
 def test_engine_values_pdserve_cannot_honour_are_refused_naming_them(tiny_model_dir, flag,
                                                                      value):
     args = serve_engine_args(parse(str(tiny_model_dir), flag, value))
@@ -171,3 +171,19 @@ def test_logprobs_name_tokens_by_id_when_asked():
             [entry] = chat["choices"][0]["logprobs"]["content"]
             assert entry["token"] == want and entry["top_logprobs"][0]["token"] == want
             assert entry["bytes"] == list(want.encode())
+
+
+def test_the_response_role_names_chat_messages_as_vllm():
+    app = build_app(FakeBackend(), "m", tokenizer=CharTokenizer(), close_backend=False,
+                    response_role="bot")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with TestClient(app) as c:
+        assert c.post("/v1/chat/completions", json=body).json()[
+            "choices"][0]["message"]["role"] == "bot"
+        first = events(c.post("/v1/chat/completions", json={**body, "stream": True}))[0]
+        assert first["choices"][0]["delta"]["role"] == "bot"
+        continued = {"messages": [*body["messages"], {"role": "assistant", "content": "he"}],
+                     "add_generation_prompt": False, "continue_final_message": True,
+                     "max_tokens": 1}  # continues the last message: its role
+        assert c.post("/v1/chat/completions", json=continued).json()[
+            "choices"][0]["message"]["role"] == "assistant"
