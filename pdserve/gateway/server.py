@@ -176,8 +176,9 @@ def build_serve_app(args: argparse.Namespace):
 
 def run_serve(args: argparse.Namespace) -> int:
     setup_from_args(args)
-    return serve_http(build_serve_app(args), args.host, args.port, args.log_level,
-                      **uvicorn_options(args))
+    options = uvicorn_options(args)
+    level = options.pop("log_level", args.log_level)  # --uvicorn-log-level, else --log-level
+    return serve_http(build_serve_app(args), args.host, args.port, level, **options)
 
 
 def add_cli(subparsers) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -75,23 +74,19 @@ class GatewayProcess:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.log: list[str] = []
-        self.url = self._wait_listening(startup_timeout)
+        # NOTE: one thread reads every line; waiting on the pipe with select beside a buffered
+        # readline misses a line that arrived in the same read as the one before it.
         threading.Thread(target=self._drain, daemon=True).start()
+        self.url = self._wait_listening(startup_timeout)
         self._wait_healthy(startup_timeout)
 
     def _wait_listening(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    break
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                self.log.append(line)
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            for line in list(self.log):
                 if "listening on " in line:
                     return line.rsplit("listening on ", 1)[1].strip()
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError("gateway did not start:\n" + "".join(self.log[-30:]))
 

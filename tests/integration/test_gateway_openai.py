@@ -28,7 +28,11 @@ def server(tiny_model_dir):
     gw = GatewayProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny",
                         "--api-key", API_KEY, "--max-concurrency", str(MAX_CONCURRENCY),
                         "--max-body-bytes", str(MAX_BODY_BYTES),
-                        "--kv-cache-memory-bytes", str(KV_BYTES))
+                        "--kv-cache-memory-bytes", str(KV_BYTES),
+                        # vLLM's server flags, through a real uvicorn (a proxy in front would
+                        # strip the root path; the key is still checked behind it)
+                        "--uvicorn-log-level", "warning", "--root-path", "/proxy",
+                        "--allowed-origins", '["https://ui.example"]')
     yield gw
     gw.stop()
     assert gw.proc.returncode == 0, "".join(gw.log[-30:])
@@ -267,6 +271,12 @@ def test_api_key(server):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong",
                       max_retries=0).models.list()
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # not under /v1
+    preflight = httpx.options(f"{server.url}/v1/completions", timeout=10, headers={
+        "Origin": "https://ui.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.headers.get("access-control-allow-origin") == "https://ui.example"
+    other = httpx.options(f"{server.url}/v1/completions", timeout=10, headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers
 
 
 def test_unknown_model_is_404(http, client):
