@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 _SAMPLING_EPS = 1e-5
 _NEG_INF = float("-inf")
 _PROMPT_CHUNK = 1024
+# A step's prompt logprobs of one request: (its chunk's first position, {token: (logprob,
+# rank)} for each prompt token after it). A chunk computed again repeats earlier positions.
+PromptLogprobChunk = tuple[int, list[dict[int, tuple[float, int]]]]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pdserve.block_hash import extend_block_hashes
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sampler import PromptLogprobChunk, SampleResult
 from pdserve.kv_transfer.connector import KVConnector, LoadResult
 
 if TYPE_CHECKING:
@@ -58,10 +58,7 @@ class ModelRunnerOutput:
     """What one model step produced, keyed by request id."""
 
     sampled: dict[str, SampleResult] = field(default_factory=dict)
-    # (the chunk's first position, logprobs of the prompt tokens after it and on): a chunk
-    # recomputed after a preemption reports positions already reported
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(
-        default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests' results
 
 

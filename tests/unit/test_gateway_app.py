@@ -329,33 +329,6 @@ def test_api_key(backend):
         assert c.get("/metrics").status_code == 200
 
 
-def test_any_of_several_api_keys_from_flags_a_file_and_the_environment(backend, tmp_path,
-                                                                      monkeypatch):
-    """`serve` takes keys as vLLM users expect, and off the command line too."""
-    from pdserve.cli import build_parser
-    from pdserve.gateway.server import gateway_api_keys
-
-    key_file = tmp_path / "keys"
-    key_file.write_text("# clients\nsk-file-key-0123\n")
-    monkeypatch.setenv("PDSERVE_API_KEY", "sk-env-key-0123,sk-env-key-4567")
-    args = build_parser().parse_args(["serve", "--api-key", "sk-flag-key-0123",
-                                      "--api-key-file", str(key_file)])
-    keys = gateway_api_keys(args)
-    assert set(keys) == {"sk-file-key-0123", "sk-env-key-0123", "sk-env-key-4567",
-                         "sk-flag-key-0123"}
-    app = build_app(backend, "fake-model", keys, tokenizer=CharTokenizer(), close_backend=False)
-    with TestClient(app) as c:
-        for key in keys:
-            assert c.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code \
-                == 200
-        error(c.get("/v1/models", headers={"Authorization": "Bearer sk-flag-key-012"}), 401)
-    monkeypatch.delenv("PDSERVE_API_KEY")
-    assert gateway_api_keys(build_parser().parse_args(["serve"])) == ()
-    monkeypatch.setenv("PDSERVE_API_KEY", "bad key")
-    with pytest.raises(ValueError, match="api key"):
-        gateway_api_keys(build_parser().parse_args(["serve"]))
-
-
 def test_models_and_aliases(client):
     assert client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
     for name in ("fake", "/models/fake", "fake-model"):
