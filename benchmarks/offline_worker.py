@@ -55,16 +55,20 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=None,
                    help="offline: 48 unless given; text: 64 unless given")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help="vLLM's speculative_config for both systems, e.g. "
+                        '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
     args = p.parse_args()
+    spec = {"speculative_config": args.speculative_config} if args.speculative_config else {}
     if args.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         from vllm import LLM, SamplingParams
-        llm = LLM(args.model, dtype="float32", max_model_len=2048, seed=args.seed)
+        llm = LLM(args.model, dtype="float32", max_model_len=2048, seed=args.seed, **spec)
     else:
         from pdserve import LLM, SamplingParams
         llm = LLM(args.model, dtype="float32", max_model_len=2048,
-                  kv_cache_memory_bytes=2 << 30, kv_cache_prefault=True, seed=args.seed)
+                  kv_cache_memory_bytes=2 << 30, kv_cache_prefault=True, seed=args.seed, **spec)
     tokenizer = llm.get_tokenizer()
     if args.workload == "text":
         _, reqs = text_workload(tokenizer, args.seed, args.num_requests or 64)

@@ -6,8 +6,9 @@ serving and decode-heavy workloads, their ratios, and a plot.
 
 - Weights: the bundled SmolLM2-135M (GGUF) dequantized to float32 and saved once as a Hugging
   Face directory (`--hf-dir`), which both systems load (vLLM's CPU build reads no GGUF).
-- Offline (random tokens, and `offline_throughput.py`'s text workload: `text`), decode-heavy
-  and cold prefill: `offline_worker.py` in each system's own Python, the same script and
+- Offline (random tokens, and `offline_throughput.py`'s text workload: `text`; each also
+  with vLLM's n-gram speculative decoding in both systems: `offline-ngram`, `text-ngram`,
+  `--speculative-config`), decode-heavy and cold prefill: `offline_worker.py` in each system's own Python, the same script and
   `LLM.generate` call (pdserve then vLLM, then vLLM then pdserve, and so on: `--rounds`;
   `--workloads` picks which); tokens per second and per CPU-second; for cold prefill, seconds
   per 2,000-token prompt. A ratio needs both systems to have run the same requests.
@@ -31,7 +32,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WORKLOADS = ("offline", "text", "decode", "prefill")
+WORKLOADS = ("offline", "text", "decode", "prefill", "offline-ngram", "text-ngram")
+# vLLM's n-gram speculative decoding, given to both systems in the `-ngram` workloads
+NGRAM = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
+         '"prompt_lookup_max": 4}')
 
 
 def export_hf(hf_dir: Path) -> None:
@@ -80,9 +84,12 @@ def decode_ceiling(hf_dir: Path, rows: int = 64, reps: int = 5) -> float:
     return rows / best
 
 
-def offline(python: str, engine: str, hf_dir: Path, workload: str, n: int | None) -> dict:
+def offline(python: str, engine: str, hf_dir: Path, workload: str, n: int | None,
+            speculative_config: str = NGRAM) -> dict:
+    base, drafts = workload.removesuffix("-ngram"), workload.endswith("-ngram")
     cmd = [python, str(HERE / "offline_worker.py"), "--engine", engine, "--model", str(hf_dir),
-           "--workload", workload] + (["--num-requests", str(n)] if n else [])
+           "--workload", base] + (["--num-requests", str(n)] if n else []) + (
+           ["--speculative-config", speculative_config] if drafts else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         return {"error": out.stderr[-2000:]}
@@ -124,7 +131,7 @@ def _same_requests(report: dict, workload: str) -> bool:
 
 def ratios(report: dict) -> dict:
     out: dict = {}
-    for workload in ("offline", "text", "decode"):
+    for workload in ("offline", "text", "decode", "offline-ngram", "text-ngram"):
         if not _same_requests(report, workload):
             continue
         for metric in ("tok_per_s", "tok_per_cpu_s"):
@@ -174,6 +181,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS),
                    help="which offline_worker.py workloads to run each round")
+    p.add_argument("--speculative-config", default=NGRAM, metavar="JSON",
+                   help="both systems' speculative_config in the -ngram workloads")
     p.add_argument("--concurrency", type=int, nargs="*", default=[8, 32, 64])
     p.add_argument("--serving-prompts", type=int, default=64)
     p.add_argument("--out", default="vs_vllm.json")
@@ -189,7 +198,8 @@ def main() -> None:
             # each system goes first in every other round: a first run after other work is
             # often slower on a shared host (pdserve's first offline run, 41 s against 31)
             for engine, python in systems[::-1] if round_ % 2 else systems:
-                r = offline(python, engine, args.hf_dir, workload, args.num_requests)
+                r = offline(python, engine, args.hf_dir, workload, args.num_requests,
+                            args.speculative_config)
                 print(f"[{workload}] {engine}: {r}", file=sys.stderr, flush=True)
                 report[workload].append(r | {"engine": engine})
     scratch = Path(args.out).with_suffix("")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.ngram_drafts import SpeculativeConfig
 from pdserve.models.arch import ModelArch
 from pdserve.models.loader import ResolvedModel
 
@@ -133,6 +134,8 @@ class SchedulerConfig:
     # Raises that bound to this many prompt tokens per decoding request, when that is more: a
     # step of many decodes is long already, so the same prompt tokens stretch it less.
     prefill_tokens_per_decode: int | None = None
+    # Speculative decoding by prompt lookup (engine/ngram_drafts.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         cap = self.max_prefill_tokens_with_decodes

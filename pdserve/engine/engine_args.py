@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine import vllm_args
 from pdserve.engine.kv_budget import CPU_DEFAULT_KV_BYTES
+from pdserve.engine.ngram_drafts import SpeculativeConfig
 from pdserve.models.loader import (DEFAULT_MODEL, TOKENIZER_MODES, HfOverrides, ResolvedModel,
                                    load_arch, resolve_model, resolve_tokenizer)
 
@@ -72,6 +73,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    speculative_config: dict | None = None  # or its JSON text
 
     def create_tokenizer_config(self, resolved: ResolvedModel | None = None) -> TokenizerConfig:
         """The tokenizer to load: `tokenizer` if given, else the model's (`resolved`)."""
@@ -122,7 +124,8 @@ class EngineArgs:
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                     self.scheduling_policy, self.enable_chunked_prefill,
                                     self.kv_lease_s, self.kv_failure_policy, prefill_cap,
-                                    per_decode)
+                                    per_decode,
+                                    SpeculativeConfig.from_vllm(self.speculative_config))
         config = EngineConfig(model, cache, scheduler, device)
         vllm_args.log_ignored(self)
         return config
@@ -256,6 +259,11 @@ _HELP = {
     "hf_overrides": "JSON of config attributes overriding the model's config",
     "generation_config": "where requests' default sampling settings come from: auto (the "
                          "model's generation_config.json), vllm (none), or a folder",
+    "speculative_config": "JSON of vLLM's speculative decoding settings; method ngram "
+                          "(prompt lookup) only, e.g. {\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}: greedy "
+                          "requests compute drafted tokens in the same step and keep those the "
+                          "model confirms, with the same output (default: off)",
     "override_generation_config": "JSON of generation config fields set on top, e.g. "
                                   "{\"temperature\": 0.5}",
     "quantization": "none, or gguf for a .gguf model (dequantized when loaded)",

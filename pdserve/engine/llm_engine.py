@@ -196,7 +196,7 @@ class LLMEngine:
             max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
             for c in sched.chunks)
         result = self.runner.execute(sched)
-        self.num_generation_tokens += len(result.sampled)
+        self.num_generation_tokens += len(result.sampled) + sum(map(len, result.accepted.values()))
         touched = self.scheduler.update(sched, result)
         stopped = self.output_processor.process(touched, result)
         self.scheduler.finish_requests([r.request_id for r in stopped],

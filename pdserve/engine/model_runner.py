@@ -12,8 +12,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.pooling import pool_hidden
-from pdserve.engine.sampler import Sampler, prompt_logprobs
-from pdserve.engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from pdserve.engine.sampler import SampleResult, Sampler, prompt_logprobs
+from pdserve.engine.step_records import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from pdserve.kernels import native
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
 from pdserve.kv_transfer.connector import KVConnector
@@ -59,21 +59,44 @@ class ModelRunner:
         at = {row: i for i, row in enumerate(rows)}  # step row -> row of hidden
         out = ModelRunnerOutput()
         self._prompt_logprobs(sched.chunks, hidden, at, out)
-        sampled, last_idx = [], []
+        sampled, last_idx, verified, verify_idx = [], [], [], []
         end = 0
         for chunk in sched.chunks:
             end += chunk.num_tokens
             if chunk.completes_sequence and chunk.request.pooling_params is not None:
                 out.pooled[chunk.request.request_id] = pool_hidden(
                     hidden[at[end - 1]], chunk.request.pooling_params)
+            elif chunk.draft_token_ids:
+                verified.append(chunk)
+                verify_idx.extend(at[row] for row in range(end - 1 - len(chunk.draft_token_ids),
+                                                           end))
             elif chunk.completes_sequence:
                 sampled.append(chunk.request)
                 last_idx.append(at[end - 1])
-        if sampled:
-            logits = self.model.compute_logits(hidden[last_idx])  # (B, V)
-            for request, result in zip(sampled, self.sampler(logits, sampled)):
+        if sampled or verified:
+            logits = self.model.compute_logits(hidden[last_idx + verify_idx])  # (B + D, V)
+            for request, result in zip(sampled, self.sampler(logits[:len(sampled)], sampled)):
                 out.sampled[request.request_id] = result
+            if verified:
+                self._verify(verified, logits[len(sampled):], out)
         return out
+
+    def _verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
+                out: ModelRunnerOutput) -> None:
+        """Drafted chunks: logits (sum of 1 + drafts, V'), each chunk's rows in order. Keeps
+        each chunk's drafts up to the first that is not the argmax before it, and samples the
+        argmax after the last kept one (ngram_drafts.py)."""
+        best = logits[:, :self.sampler.vocab_size].argmax(dim=-1).tolist()  # (sum,)
+        i = 0
+        for chunk in chunks:
+            drafts = chunk.draft_token_ids
+            choices = best[i:i + len(drafts) + 1]
+            i += len(drafts) + 1
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == choices[kept]:
+                kept += 1
+            out.accepted[chunk.request.request_id] = drafts[:kept]
+            out.sampled[chunk.request.request_id] = SampleResult(choices[kept], None)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         ids: list[int] = []
@@ -87,15 +110,16 @@ class ModelRunner:
         for chunk in chunks:
             request, start, n = chunk.request, chunk.start, chunk.num_tokens
             t0 = len(ids)
-            ids.extend(request.all_token_ids[start:start + n])
+            tokens = request.all_token_ids + chunk.draft_token_ids
+            ids.extend(tokens[start:start + n])
             table = chunk.block_table
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
-            if n == 1:
-                decode_idx.append(t0)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+            if n == 1 or chunk.draft_token_ids:  # a drafted chunk's rows: one decode each
+                decode_idx.extend(range(t0, t0 + n))
+                decode_tables.extend([table] * n)
+                decode_lens.extend(range(start + 1, start + n + 1))
             else:
                 prefills.append(PrefillSpan(t0, t0 + n, start + n, self._tensor(table)))
         width = max((len(t) for t in decode_tables), default=0)
@@ -106,6 +130,7 @@ class ModelRunner:
             decode_block_tables=self._tensor(padded).view(len(padded), width),
             decode_seq_lens=self._tensor(decode_lens),
             prefills=prefills,
+            drafts=any(chunk.draft_token_ids for chunk in chunks),
         )
         return self._tensor(ids), self._tensor(pos), meta
 
@@ -142,7 +167,8 @@ def output_rows(chunks: list[ScheduledChunk]) -> list[int]:
     for chunk in chunks:
         if chunk.request.sampling_params.prompt_logprobs is not None:
             rows.extend(range(t0, t0 + max(_prompt_logprob_stop(chunk) - chunk.start, 0)))
-        if chunk.completes_sequence:
-            rows.append(t0 + chunk.num_tokens - 1)
+        if chunk.completes_sequence:  # with drafts: the last token's row and theirs
+            rows.extend(range(t0 + chunk.num_tokens - 1 - len(chunk.draft_token_ids),
+                              t0 + chunk.num_tokens))
         t0 += chunk.num_tokens
     return sorted(set(rows))

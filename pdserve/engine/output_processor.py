@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import ModelRunnerOutput
+from pdserve.engine.step_records import ModelRunnerOutput
 from pdserve.outputs import (
     CompletionOutput,
     Logprob,
@@ -31,6 +31,7 @@ class SequenceState:
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
     sent_tokens: int = 0
+    num_tokens_seen: int = 0  # output tokens given to the detokenizer
     finish_sent: bool = False
 
 
@@ -72,6 +73,7 @@ class OutputProcessor:
                 0.0 if p.logprobs is not None else None)
             if child.output_token_ids:  # sampled by a remote prefill: text and no logprobs
                 state.detokenizer.update(list(child.output_token_ids), 0)
+                state.num_tokens_seen = child.num_output_tokens
                 if state.logprobs is not None:
                     state.logprobs.extend([None] * child.num_output_tokens)
             parent.sequences.append(state)
@@ -103,9 +105,14 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            # A stop token or EOS that ended the request adds no text (as in vLLM).
+            # A stop token or EOS that ended the request adds no text (as in vLLM). Drafts
+            # the model confirmed come before the sampled token (ngram_drafts.py); the
+            # scheduler kept those before the sequence finished.
+            new = [*result.accepted.get(request.request_id, ()), sample.token_id]
+            new = new[:request.num_output_tokens - seq.num_tokens_seen]
+            seq.num_tokens_seen = request.num_output_tokens
             stop = seq.detokenizer.update(
-                [sample.token_id], request.num_output_tokens,
+                new, request.num_output_tokens,
                 stop_terminated=request.status == RequestStatus.FINISHED_STOPPED)
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop

@@ -17,6 +17,7 @@ import torch
 from pdserve.block_hash import ROOT_HASH
 
 if TYPE_CHECKING:
+    from pdserve.engine.ngram_drafts import NgramDrafts
     from pdserve.engine.structured_output import GrammarState
     from pdserve.kv_transfer.connector import KVHandle
     from pdserve.pooling_params import PoolingParams
@@ -85,6 +86,8 @@ class Request:
     grammar: GrammarState | None = None
     # Embeddings: pool the last prompt token's hidden state instead of sampling (pooling.py).
     pooling_params: PoolingParams | None = None
+    # Speculative decoding: this sequence's n-gram index, once it decodes (ngram_drafts.py).
+    drafts: NgramDrafts | None = None
 
     def next_draw_generator(self) -> torch.Generator | None:
         """The generator of this sequence's next random draw; None when it has no seed. It

@@ -1,9 +1,10 @@
 """The scheduler: decides which requests run each step and how many tokens each computes.
 
 One rule covers prefill, chunked prefill, prefix-cache hits and decode: every running request's
-computed-token count catches up to its token count, within a per-step token budget. When the
-pool runs out of blocks the lowest-priority running request is preempted (its blocks freed, to
-be recomputed later). Only the scheduler changes a request's counters and status.
+computed-token count catches up to its token count, within a per-step token budget; a decoding
+request may add draft tokens after its last one (ngram_drafts.py). When the pool runs out of
+blocks the lowest-priority running request is preempted (its blocks freed, to be recomputed
+later). Only the scheduler changes a request's counters and status.
 """
 
 from __future__ import annotations
@@ -11,55 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pdserve.block_hash import extend_block_hashes
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.ngram_drafts import NgramDrafts, speculates
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import PromptLogprobChunk, SampleResult
+from pdserve.engine.step_records import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from pdserve.kv_transfer.connector import KVConnector, LoadResult
 
-if TYPE_CHECKING:
-    import torch
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledChunk:
-    """`num_tokens` tokens of `request`, from position `start`, to compute this step."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    block_table: list[int]
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this chunk reaches the last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # ended before running (KV load)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What one model step produced, keyed by request id."""
-
-    sampled: dict[str, SampleResult] = field(default_factory=dict)
-    prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
-    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests' results
 
 
 class Scheduler:
@@ -82,6 +44,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Speculative decoding: drafts verified, their tokens, and the tokens the model confirmed.
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     # --- admission -------------------------------------------------------------------------
 
@@ -132,12 +96,19 @@ class Scheduler:
         out = SchedulerOutput()
         self._finish_loads(out)
         budget = self.config.max_num_batched_tokens
-        prefill_budget = self._prefill_budget()
+        drafts = self._propose_drafts()
+        prefill_budget = self._prefill_budget(sum(map(len, drafts.values())))
         scheduled: set[str] = set()
         for request in list(self.running):
             if request not in self.running:  # preempted earlier in this loop
                 continue
             left = request.num_tokens - request.num_computed_tokens
+            draft = drafts.get(request.request_id, [])[:budget - 1]
+            if draft and self.kv.allocate_slots(request, 1 + len(draft)) is not None:
+                out.chunks.append(self._chunk(request, 1 + len(draft), draft))
+                scheduled.add(request.request_id)
+                budget -= 1 + len(draft)
+                continue
             n = min(left, budget) if left <= 1 else min(left, budget, prefill_budget)
             if n <= 0:
                 continue
@@ -148,7 +119,8 @@ class Scheduler:
                     out.chunks.remove(chunk)
                     scheduled.discard(victim.request_id)
                     budget += chunk.num_tokens
-                    prefill_budget += chunk.num_tokens if chunk.num_tokens > 1 else 0
+                    prompt = chunk.num_tokens > 1 and not chunk.draft_token_ids
+                    prefill_budget += chunk.num_tokens if prompt else 0
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -164,10 +136,27 @@ class Scheduler:
                 self._unblock(blocked)
         return out
 
-    def _prefill_budget(self) -> int:
+    def _propose_drafts(self) -> dict[str, list[int]]:
+        """Draft tokens for the decoding requests that speculate (ngram_drafts.py), by id."""
+        spec = self.config.speculative
+        if spec is None:
+            return {}
+        drafts = {}
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens == 1 and speculates(request):
+                request.drafts = request.drafts or NgramDrafts(spec)
+                max_tokens = request.sampling_params.max_tokens or self.max_model_len
+                limit = min(max_tokens - request.num_output_tokens,  # the last one is sampled
+                            self.max_model_len - request.num_tokens) - 1
+                if draft := request.drafts.propose(request.all_token_ids, limit):
+                    drafts[request.request_id] = draft
+        return drafts
+
+    def _prefill_budget(self, num_drafts: int) -> int:
         """Prompt tokens this step may compute: while running requests are decoding (their
         next tokens wait for the whole step), max_prefill_tokens_with_decodes, or
-        prefill_tokens_per_decode per decoding request when that is more."""
+        prefill_tokens_per_decode per decoding row (a request's token and its `num_drafts`
+        drafts) when that is more."""
         cap, per_decode = (self.config.max_prefill_tokens_with_decodes,
                            self.config.prefill_tokens_per_decode)
         if cap is None or not self.config.enable_chunked_prefill:
@@ -175,7 +164,7 @@ class Scheduler:
         decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
         if not decoding:
             return self.config.max_num_batched_tokens
-        return max(cap, (per_decode or 0) * decoding)
+        return max(cap, (per_decode or 0) * (decoding + num_drafts))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> Request | None:
         """Start waiting requests in order while blocks and budget last; returns the request
@@ -302,9 +291,9 @@ class Scheduler:
                                                    RequestStatus.FINISHED_ERROR)
             # "recompute": the prompt beyond the local prefix is computed here instead.
 
-    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, n: int, drafts: list[int] | None = None) -> ScheduledChunk:
         return ScheduledChunk(request, request.num_computed_tokens, n,
-                              self.kv.get_block_table(request.request_id))
+                              self.kv.get_block_table(request.request_id), drafts or [])
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -332,13 +321,24 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens += chunk.num_tokens
+            accepted = result.accepted.get(request.request_id, [])
+            if chunk.draft_token_ids:  # the rejected drafts' keys and values are not kept
+                request.drafts.record(len(chunk.draft_token_ids), len(accepted))
+                self.num_drafts += 1
+                self.num_draft_tokens += len(chunk.draft_token_ids)
+                self.num_accepted_tokens += len(accepted)
+                request.num_computed_tokens += 1 + len(accepted)
+            else:
+                request.num_computed_tokens += chunk.num_tokens
             sample = result.sampled.get(request.request_id)
             if sample is not None:
-                request.append_output_token(sample.token_id)
+                for token in (*accepted, sample.token_id):
+                    request.append_output_token(token)
+                    self._check_stop(request)
+                    if request.is_finished:
+                        break
                 extend_block_hashes(request.block_hashes, request.all_token_ids,
                                     self.block_size, request.hash_root)
-                self._check_stop(request)
                 touched.append(request)
             elif request.request_id in result.pooled:  # an embedding is done: nothing follows
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -41,6 +41,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # (Bd, max_blocks) int64, padded with 0
     decode_seq_lens: torch.Tensor  # (Bd,) int64 context length including the new token
     prefills: list[PrefillSpan]
+    # Some decode rows are drafts after another row of the same sequence (ngram_drafts.py):
+    # each reads the keys and values that the rows before it write in the same step.
+    drafts: bool = False
     # Derived once per step from the fields above, on first use, then shared by every layer.
     _decode_plan: SparseDecodePlan | DecodePlan | None = field(default=None, init=False,
                                                                repr=False)

@@ -177,7 +177,11 @@ class NativeLayers:
                 kv_cache.data_ptr(), num_blocks, block_size, cos.data_ptr(), sin.data_ptr(),
                 ctypes.byref(batch))
         threads = torch.get_num_threads()
-        decodes_alone = not spans and outputs is None and rows.numel() == x.shape[0]
+        # NOTE: a lane must not split a sequence's rows (drafts read the keys and values of
+        # the rows before them), so steps with drafts run step-wide: every row's keys and
+        # values reach the cache before any row's attention.
+        decodes_alone = (not spans and outputs is None and rows.numel() == x.shape[0]
+                         and not meta.drafts)
         lanes = lane_bounds(lens, threads) if decodes_alone else None
         if lanes is None:
             code = native.load().decoder_layers_f32(*args, threads)

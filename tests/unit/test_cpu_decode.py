@@ -61,6 +61,25 @@ def test_matches_reference(h, kvh, d, block_size):
     assert out[untouched].isnan().all()
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_runs_of_one_sequence_match_reference(d):
+    """Decodes that follow each other in row, length and first block (a sequence's token and
+    its drafts, ngram_drafts.py) run as one item per KV head; each still gets its own
+    causal context: row i of a run sees one key more than row i - 1."""
+    h, kvh, bs = 9, 3, 16
+    k_cache, v_cache, tables = paged([70, 33], h, kvh, d, bs, seed=7)
+    # sequence 0: rows 0-3 at lengths 67-70 (a run); sequence 1: rows 4-5 at 32-33 (a run);
+    # row 6: sequence 0 again at length 40, alone (its length does not follow)
+    lens = [67, 68, 69, 70, 32, 33, 40]
+    which = [0, 0, 0, 0, 1, 1, 0]
+    q = torch.randn(7, h, d, generator=torch.Generator().manual_seed(8))
+    out = torch.empty_like(q)
+    cpu_decode.decode_into(out, q, k_cache, v_cache, tables[which], torch.tensor(lens),
+                           torch.arange(7), d ** -0.5)
+    want = reference(q, k_cache, v_cache, tables[which], lens, d ** -0.5)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+
+
 def test_peaked_and_flat_scores():
     """Large score gaps (softmax near one-hot) and equal scores (uniform) both come out right:
     the kernel's own exponential holds over the whole range."""

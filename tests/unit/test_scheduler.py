@@ -8,7 +8,8 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampleResult
-from pdserve.engine.scheduler import ModelRunnerOutput, Scheduler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step_records import ModelRunnerOutput
 from pdserve.sampling_params import SamplingParams
 
 BS = 4

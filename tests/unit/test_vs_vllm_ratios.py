@@ -45,6 +45,18 @@ def test_best_against_best_for_throughput_and_cold_prefill(vs_vllm):
     assert not any(k.startswith("serving") for k in r)
 
 
+def test_drafted_workloads_have_their_own_ratios(vs_vllm):
+    """Runs with n-gram speculative decoding in both systems are compared with each other
+    only, never with runs without it."""
+    report = {"offline": [_run("pdserve", 400, 200), _run("vllm", 300, 150)],
+              "offline-ngram": [_run("pdserve", 500, 250), _run("vllm", 350, 170)],
+              "serving": {}}
+    r = vs_vllm.ratios(report)
+    assert r["offline_tok_per_s"] == pytest.approx(400 / 300)
+    assert r["offline-ngram_tok_per_s"] == pytest.approx(500 / 350)
+    assert r["offline-ngram_tok_per_cpu_s"] == pytest.approx(250 / 170)
+
+
 def test_serving_ratios_and_failed_runs_left_out(vs_vllm):
     report = {
         "offline": [_run("pdserve", 400, 200), {"error": "vLLM did not start", "engine": "vllm"}],

@@ -174,36 +174,52 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const fl
     const int64_t bad = check_decodes(tables, max_blocks, lens, B, bs, num_blocks);
     if (bad >= 0) return (int)(-3 - bad);
     const int64_t G = h / kvh, row_stride = kvh * d;
+    /* Runs: a decode whose row, length and first block follow the one before it is a draft
+     * after it (engine/ngram_drafts.py). One item takes a whole run of one KV head, so the
+     * run's later rows walk keys and values the first just brought into this core's cache.
+     * Each decode is still computed on its own, so the grouping changes no result. */
+    int64_t *run_start = malloc(sizeof(int64_t) * (B + 1));
+    if (!run_start) return -2;
+    int64_t runs = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (!b || rows[b] != rows[b - 1] + 1 || lens[b] != lens[b - 1] + 1
+                || tables[b * max_blocks] != tables[(b - 1) * max_blocks])
+            run_start[runs++] = b;
+    run_start[runs] = B;
     int out_of_memory = 0;
     #pragma omp parallel num_threads(num_threads)
     {
         float *scores = NULL;
         int64_t capacity = 0;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * kvh; item++) {
-            const int64_t b = item / kvh, g = item % kvh, L = lens[b];
-            if (L * G > capacity) {
-                free(scores);
-                capacity = L * G;
-                scores = malloc(sizeof(float) * capacity);
-                if (!scores) {
-                    capacity = 0;
-                    #pragma omp atomic write
-                    out_of_memory = 1;
-                    continue;
+        for (int64_t item = 0; item < runs * kvh; item++) {
+            const int64_t r = item / kvh, g = item % kvh;
+            for (int64_t b = run_start[r]; b < run_start[r + 1]; b++) {
+                const int64_t L = lens[b];
+                if (L * G > capacity) {
+                    free(scores);
+                    capacity = L * G;
+                    scores = malloc(sizeof(float) * capacity);
+                    if (!scores) {
+                        capacity = 0;
+                        #pragma omp atomic write
+                        out_of_memory = 1;
+                        break;
+                    }
                 }
+                const float *qb = q + rows[b] * q_stride + g * G * d;
+                float *ob = out + (rows[b] * h + g * G) * d;
+                const int64_t *table = tables + b * max_blocks;
+                if (d == 64)
+                    attend_64(qb, kc + g * d, vc + g * d, table, L, G, row_stride, bs, scale,
+                              scores, ob);
+                else
+                    attend_128(qb, kc + g * d, vc + g * d, table, L, G, row_stride, bs, scale,
+                               scores, ob);
             }
-            const float *qb = q + rows[b] * q_stride + g * G * d;
-            float *ob = out + (rows[b] * h + g * G) * d;
-            const int64_t *table = tables + b * max_blocks;
-            if (d == 64)
-                attend_64(qb, kc + g * d, vc + g * d, table, L, G, row_stride, bs, scale,
-                          scores, ob);
-            else
-                attend_128(qb, kc + g * d, vc + g * d, table, L, G, row_stride, bs, scale,
-                           scores, ob);
         }
         free(scores);
     }
+    free(run_start);
     return out_of_memory ? -2 : 0;
 }

@@ -1,0 +1,139 @@
+"""Draft tokens by prompt lookup: n-gram speculative decoding.
+
+A greedy sequence often repeats itself or its prompt. When the last n tokens (n from
+`prompt_lookup_max` down to `prompt_lookup_min`) occurred earlier in the sequence, the tokens
+that followed their latest occurrence are proposed as the next ones (repeated with the period
+that occurrence implies, where fewer tokens have followed it than asked for). The engine computes the sequence's last
+token and the drafts in one chunk, takes the argmax at every position and keeps the drafts up
+to the first that differs from it, plus the argmax after them: the same tokens as one at a
+time, in fewer steps. On CPU a step's cost is mostly streaming weights and the cache, so the
+rows added by a rejected draft cost little, and several accepted tokens share one pass over
+the sequence's keys and values.
+
+Only sequences whose next token is the plain argmax speculate: greedy, without logprobs,
+penalties, biases, masks, grammars or stop strings (`speculates`). A sequence whose drafts
+keep failing backs off: after a draft is rejected outright it proposes none for 1, 2, 4 ...
+(at most MAX_BACKOFF_STEPS) steps, and one accepted draft resets that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.engine.request import Request
+
+MAX_BACKOFF_STEPS = 32
+MAX_SPECULATIVE_TOKENS = 16
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` for its "ngram" method (prompt lookup)."""
+
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max <= 64, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+
+    @classmethod
+    def from_vllm(cls, value: Any) -> SpeculativeConfig | None:
+        """vLLM's dict (or its JSON text): {"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_min": lo, "prompt_lookup_max": hi}; None or {} for no speculation.
+        Other methods (draft models, EAGLE, MTP) raise ValueError."""
+        if value is None or value == {}:
+            return None
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a dict (JSON object)")
+        options = dict(value)
+        method = options.pop("method", None) or ("ngram" if "prompt_lookup_max" in options
+                                                  else None)
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method {method!r} is not supported: pdserve "
+                             "drafts by prompt lookup only (method 'ngram')")
+        allowed = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {unknown}")
+        for key, v in options.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"speculative_config.{key} must be an integer, got {v!r}")
+        if "prompt_lookup_min" in options and "prompt_lookup_max" not in options:
+            options["prompt_lookup_max"] = max(options["prompt_lookup_min"],
+                                               cls.prompt_lookup_max)
+        if "prompt_lookup_max" in options and "prompt_lookup_min" not in options:
+            options["prompt_lookup_min"] = min(options["prompt_lookup_max"],
+                                               cls.prompt_lookup_min)
+        return cls(**options)
+
+
+def speculates(request: Request) -> bool:
+    """Whether the request's next token is the plain argmax of its logits, so drafts checked
+    against it give the same tokens."""
+    p = request.sampling_params
+    return bool(
+        p.temperature < _SAMPLING_EPS and p.logprobs is None and p.prompt_logprobs is None
+        and not p.stop and request.grammar is None and request.pooling_params is None
+        and not p.logit_bias and p.allowed_token_ids is None and not request.bad_words_token_ids
+        and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0 and request.num_output_tokens >= p.min_tokens)
+
+
+class NgramDrafts:
+    """One sequence's n-gram index: where each n-gram of its tokens (but the last n) last
+    ended, for lookups in O(1) per step; it catches up with the tokens it is given."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
+        self.k = config.num_speculative_tokens
+        self.last_end: dict[tuple[int, ...], int] = {}  # n-gram -> its latest end (exclusive)
+        self.indexed = 0  # n-grams ending at 1 .. indexed are in last_end
+        self.backoff = 0  # steps to skip before drafting again
+        self.misses = 0  # drafts rejected outright in a row
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(k, limit) tokens to follow `tokens` (the whole sequence), or none."""
+        if self.backoff:
+            self.backoff -= 1
+            return []
+        if limit <= 0:
+            return []
+        end = len(tokens)
+        for e in range(self.indexed + 1, end):  # every n-gram but those ending at `end`
+            for n in range(self.lo, min(self.hi, e) + 1):
+                self.last_end[tuple(tokens[e - n:e])] = e
+        self.indexed = max(self.indexed, end - 1)
+        for n in range(min(self.hi, end - 1), self.lo - 1, -1):
+            found = self.last_end.get(tuple(tokens[end - n:]))
+            if found is not None:  # the tokens since then repeat with period end - found
+                count, period = min(self.k, limit), end - found
+                draft = tokens[found:found + count]
+                while len(draft) < count:
+                    draft.append(draft[-period])
+                return draft
+        return []
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """The outcome of a verified draft: a rejection outright backs off, exponentially."""
+        if num_accepted or not num_drafted:
+            self.misses = 0
+            return
+        self.backoff = min(1 << self.misses, MAX_BACKOFF_STEPS)
+        self.misses += 1

@@ -1,0 +1,156 @@
+"""Speculative decoding by prompt lookup (engine/ngram_drafts.py): the tokens are those of
+greedy decoding one token at a time (transformers' generate), through the native layer loop
+and the module path, with drafts both kept and refused, under preemption, with stop tokens
+and when streaming."""
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve import LLM, SamplingParams, TokensPrompt
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.models.tiny import write_tiny_llama
+from pdserve.sampling_params import RequestOutputKind
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+TEXTS = ["Count: one, two, three, one, two, three, one, two,",
+         "The rule is simple. The rule is simple. The rule",
+         "Write a list of colors: red, green, blue, red, green,"]
+
+
+def counts(llm):
+    s = llm.llm_engine.scheduler
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+
+
+@pytest.fixture(scope="module")
+def smollm2_drafting():
+    return LLM("SmolLM2-135M-Instruct", kv_cache_memory_bytes=96 << 20, speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
+def copying_model(tmp_path_factory):
+    """A tiny Llama whose layers add nothing to the residual stream (o_proj and down_proj are
+    zero): its next token depends on the last one alone, so its greedy output repeats and
+    every well-made draft is right."""
+    base = write_tiny_llama(tmp_path_factory.mktemp("base"), tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    path = tmp_path_factory.mktemp("copying")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(base).save_pretrained(path)
+    return path, model.eval()
+
+
+def test_native_loop_drafts_give_transformers_tokens(smollm2_drafting, hf_smollm2):
+    """SmolLM2 through the native loop: some drafts are kept and some refused, and every
+    output is transformers' greedy output; a stop token inside kept drafts ends the output
+    there, as without drafts."""
+    llm = smollm2_drafting
+    assert llm.llm_engine.runner.model.native_layers is not None
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    want = [hf_greedy(hf_smollm2, p, 40) for p in prompts]
+    before = counts(llm)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    drafts, drafted, kept = (a - b for a, b in zip(counts(llm), before))
+    assert drafts > 0 and 0 < kept < drafted  # both outcomes were exercised
+    # a stop token first met after a few tokens: the output ends with it (then "stop")
+    i, j = next((i, j) for i, w in enumerate(want) for j in range(4, 40)
+                if w.index(w[j]) == j)
+    stop = want[i][j]
+    [out] = llm.generate(TokensPrompt(prompt_token_ids=prompts[i]),
+                         SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop]),
+                         use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == want[i][:j + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_streamed_deltas_carry_the_kept_drafts(smollm2_drafting):
+    engine: LLMEngine = smollm2_drafting.llm_engine
+    tok = smollm2_drafting.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    engine.add_request("s", TokensPrompt(prompt_token_ids=tok.encode(TEXTS[1])), params)
+    deltas, texts = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(list(out.outputs[0].token_ids))
+            texts.append(out.outputs[0].text)
+    [whole] = smollm2_drafting.generate(TEXTS[1], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert sum(deltas, []) == list(whole.outputs[0].token_ids)
+    assert "".join(texts) == whole.outputs[0].text
+    assert max(map(len, deltas)) > 1  # some step gave several tokens
+
+
+def test_module_path_keeps_every_right_draft(copying_model):
+    path, hf = copying_model
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, speculative_config=NGRAM)
+    assert llm.llm_engine.runner.model.native_layers is None  # head size 16: module path
+    prompts = [[5, 6, 7, 8, 9] * 3, list(range(100, 131))]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 24)
+    drafts, drafted, kept = counts(llm)
+    assert drafts > 0 and kept == drafted
+    assert drafts <= 2 * 24 / 4 + 2  # each step after the first two gave 1 + 3 tokens
+
+
+def test_module_path_refused_drafts_leave_no_trace(copying_model):
+    """The copying model repeats its prompt's last token, and [5, 5] was once followed by
+    6, 7, 5: that draft is refused, and its keys and values never reach an output; the
+    drafts of the loop after it are kept."""
+    path, hf = copying_model
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20,
+              speculative_config={**NGRAM, "prompt_lookup_min": 2})
+    prompts = [[5, 5, 6, 7, 5], [11, 11, 12, 13, 14, 11]]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 20)
+    _, drafted, kept = counts(llm)
+    assert 0 < kept <= drafted - 2 * 3  # each sequence's first draft was refused outright
+
+
+def test_preemption_with_drafts_keeps_outputs(copying_model):
+    path, hf = copying_model
+    # 10 blocks of 16 tokens; 5 requests of 40-token prompts and 24 outputs need 4-5 each
+    llm = LLM(str(path), kv_cache_memory_bytes=10 * 16 * 2 * 2 * 2 * 16 * 4,
+              enable_prefix_caching=False, speculative_config=NGRAM)
+    assert llm.llm_engine.num_blocks == 10
+    prompts = [[(17 * i + 5 * j) % 5000 + 10 for j in range(40)] for i in range(5)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0 and counts(llm)[2] > 0
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 24)
+    engine = llm.llm_engine
+    assert engine.num_free_blocks == engine.num_blocks and engine.kv_manager.num_requests == 0
+
+
+def test_requests_that_do_not_speculate_are_unchanged(copying_model):
+    """Seeded sampling and logprobs requests draw exactly as in an engine without drafts."""
+    path, _ = copying_model
+    prompt = TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9] * 3)
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=16),
+              SamplingParams(temperature=0, logprobs=2, max_tokens=16, ignore_eos=True)]
+    results = []
+    for spec in (None, NGRAM):
+        llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, speculative_config=spec)
+        outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+        results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+        assert counts(llm) == (0, 0, 0)
+    assert results[0] == results[1]
