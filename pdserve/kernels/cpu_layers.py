@@ -177,12 +177,15 @@ class NativeLayers:
                 kv_cache.data_ptr(), num_blocks, block_size, cos.data_ptr(), sin.data_ptr(),
                 ctypes.byref(batch))
         threads = torch.get_num_threads()
-        # NOTE: a lane must not split a sequence's rows (drafts read the keys and values of
-        # the rows before them), so steps with drafts run step-wide: every row's keys and
-        # values reach the cache before any row's attention.
-        decodes_alone = (not spans and outputs is None and rows.numel() == x.shape[0]
-                         and not meta.drafts)
-        lanes = lane_bounds(lens, threads) if decodes_alone else None
+        decodes_alone = not spans and outputs is None and rows.numel() == x.shape[0]
+        joined = None
+        if decodes_alone and meta.drafts:
+            # NOTE: a lane must not split a sequence's rows: a draft reads the keys and values
+            # the rows before it write in the same layer. A row whose length and first block
+            # follow the row before it may be such a draft (paged_decode.c's runs).
+            joined = torch.zeros(len(lens), dtype=torch.bool)
+            joined[1:] = (lens[1:] == lens[:-1] + 1) & (tables[1:, 0] == tables[:-1, 0])
+        lanes = lane_bounds(lens, threads, joined) if decodes_alone else None
         if lanes is None:
             code = native.load().decoder_layers_f32(*args, threads)
         else:
@@ -193,19 +196,25 @@ class NativeLayers:
             raise ValueError(f"decoder layers: {_ERRORS.get(code, f'error {code}')}")
 
 
-def lane_bounds(lens: torch.Tensor, threads: int) -> torch.Tensor | None:
+def lane_bounds(lens: torch.Tensor, threads: int,
+                joined: torch.Tensor | None = None) -> torch.Tensor | None:
     """Where a step of decodes alone with contexts `lens` (B,) splits into one lane a thread:
-    (threads + 1,) increasing offsets from 0 to B, or None to run it step-wide (one thread,
-    more than LANE_MAX_THREADS, or fewer than LANE_MIN_ROWS rows a lane)."""
+    (threads + 1,) increasing offsets from 0 to B, never at a row that `joined` (B,) bool
+    marks as bound to the row before it; or None to run it step-wide (one thread, more than
+    LANE_MAX_THREADS, fewer than LANE_MIN_ROWS rows a lane, or no place left to cut)."""
     num_lanes, B = threads, lens.numel()
     if not 2 <= num_lanes <= LANE_MAX_THREADS or B < num_lanes * LANE_MIN_ROWS:
         return None
     costs = [n + LANE_ROW_COST_TOKENS for n in lens.tolist()]
+    bound = [False] * B if joined is None else joined.tolist()
     total, bounds, done = sum(costs), [0], 0
     for row in range(1, B):  # cut where the cost so far reaches the next share of the total
         done += costs[row - 1]
         left = num_lanes - len(bounds)  # lanes still to start
-        if left and (done * num_lanes >= total * len(bounds) or B - row == left):
+        if left and not bound[row] and (done * num_lanes >= total * len(bounds)
+                                        or B - row == left):
             bounds.append(row)  # (the second test keeps a row for every lane)
+    if len(bounds) < num_lanes:
+        return None
     bounds.append(B)
     return torch.tensor(bounds, dtype=torch.int64)

@@ -255,6 +255,17 @@ def test_lanes_split_by_rows_and_context():
     assert lane_bounds(torch.tensor([10**6] + [1] * 15), 2).tolist() == [0, 1, 16]
 
 
+def test_lanes_never_split_a_sequence_and_its_drafts():
+    """Rows bound to the row before them (drafts after their sequence's token) stay in its
+    lane: the cut moves to the next free row, and with none left the step runs step-wide."""
+    lens = torch.full((24,), 300)
+    joined = torch.zeros(24, dtype=torch.bool)
+    joined[10:14] = True  # rows 9-13: one sequence
+    assert lane_bounds(lens, 2, joined).tolist() == [0, 14, 24]
+    joined[1:] = True
+    assert lane_bounds(lens, 2, joined) is None
+
+
 @pytest.mark.parametrize("field,message", [("slot", "cache slot"), ("table", "decode")])
 def test_bad_metadata_in_lanes_is_refused(field, message, threads):
     threads(2)
