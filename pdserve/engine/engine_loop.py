@@ -99,6 +99,8 @@ class EngineStats:
     cached_blocks: int
     prompt_tokens: int = 0  # computed so far (prefill), and sampled so far
     generation_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafted so far, and kept
+    accepted_tokens: int = 0
 
 
 class EngineLoop:
@@ -242,7 +244,8 @@ class EngineLoop:
             kv_transfer_seconds=sched.kv_transfer_seconds,
             kv_loads_failed=sched.kv_loads_failed, cached_blocks=len(pool.cached),
             prompt_tokens=self.engine.num_prompt_tokens,
-            generation_tokens=self.engine.num_generation_tokens)
+            generation_tokens=self.engine.num_generation_tokens,
+            draft_tokens=sched.num_draft_tokens, accepted_tokens=sched.num_accepted_tokens)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -291,7 +294,7 @@ class EngineLoop:
         if self.stats_logger is not None:
             self.stats_logger.observe(
                 Counters(stats.prompt_tokens, stats.generation_tokens, stats.prefix_queries,
-                         stats.prefix_hits),
+                         stats.prefix_hits, stats.draft_tokens, stats.accepted_tokens),
                 stats.running_requests, stats.waiting_requests,
                 stats.total_blocks - stats.free_blocks, stats.total_blocks)
 

@@ -41,6 +41,8 @@ class Counters:
     generation_tokens: int
     prefix_queries: int
     prefix_hits: int
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and those the model kept
+    accepted_tokens: int = 0
 
 
 class StatsLogger:
@@ -70,7 +72,7 @@ class StatsLogger:
         queries = counters.prefix_queries - self._last.prefix_queries
         hits = counters.prefix_hits - self._last.prefix_hits
         active = bool(prompt or generation or running or waiting)
-        self._last, self._since = counters, now
+        last, self._last, self._since = self._last, counters, now
         if not (active or self._was_active):
             return False
         self._was_active = active
@@ -81,8 +83,16 @@ class StatsLogger:
                   "running_requests": running, "waiting_requests": waiting,
                   "kv_cache_usage_pct": round(usage, 2),
                   "prefix_cache_hit_rate_pct": round(hit_rate, 2)}
+        drafted = counters.draft_tokens - last.draft_tokens
+        accepted = counters.accepted_tokens - last.accepted_tokens
+        draft_note = ""
+        if drafted:  # as vLLM's speculative decoding line
+            fields |= {"draft_tokens": drafted, "accepted_tokens": accepted,
+                       "draft_acceptance_rate_pct": round(100.0 * accepted / drafted, 2)}
+            draft_note = (f", draft acceptance rate: {100.0 * accepted / drafted:.1f}% "
+                          f"({accepted} of {drafted} drafted tokens)")
         logger.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
                     "running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix cache "
-                    "hit rate: %.1f%%", prompt / elapsed, generation / elapsed, running,
-                    waiting, usage, hit_rate, extra={"fields": fields})
+                    "hit rate: %.1f%%%s", prompt / elapsed, generation / elapsed, running,
+                    waiting, usage, hit_rate, draft_note, extra={"fields": fields})
         return True

@@ -107,6 +107,19 @@ def test_stats_log_once_per_interval_while_there_is_traffic(caplog):
     assert stats.observe(counters(200, 60, 4, 1), 1, 0, 1, 100)  # traffic again
 
 
+def test_stats_report_draft_acceptance_when_there_were_drafts(caplog):
+    caplog.set_level(logging.INFO)
+    clock = Clock()
+    stats = StatsLogger(10.0, clock)
+    stats.observe(Counters(0, 0, 0, 0, 40, 30), 0, 0, 0, 100)
+    clock.now += 10
+    assert stats.observe(Counters(0, 90, 0, 0, 100, 75), 3, 0, 10, 100)
+    [f] = fields(caplog, "pdserve.stats")
+    assert (f["draft_tokens"], f["accepted_tokens"], f["draft_acceptance_rate_pct"]) == (
+        60, 45, 75.0)
+    assert "draft acceptance rate: 75.0% (45 of 60 drafted tokens)" in caplog.text
+
+
 def test_stats_interval_from_the_environment(monkeypatch):
     monkeypatch.delenv("PDSERVE_LOG_STATS_INTERVAL_S", raising=False)
     assert interval_from_env() == 10.0
