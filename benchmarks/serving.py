@@ -256,6 +256,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-args", default="",
                    help="more engine flags for pdserve's engines, e.g. "
                         "'--max-prefill-tokens-with-decodes 2048'")
+    p.add_argument("--vllm-args", default="",
+                   help="more flags for vLLM's server, e.g. "
+                        "'--speculative-config \'{\"method\": \"ngram\"}\''")
     p.add_argument("--connector", default="shm", choices=["shm", "tcp", "nixl"])
     p.add_argument("--disagg-threshold", type=int, default=0,
                    help="1p1d: uncached prompt tokens from which a prompt goes to the prefill "

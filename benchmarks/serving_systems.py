@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import shlex
 import socket
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def gateway(args, logs: Path, name: str, extra: list[str]) -> tuple[str, Proc]:
 
 
 def engine_flags(args) -> list[str]:
-    flags = ["--dtype", args.dtype, *args.engine_args.split()]
+    flags = ["--dtype", args.dtype, *shlex.split(args.engine_args)]
     if args.kv_cache_memory_bytes:
         flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     return flags
@@ -97,7 +98,7 @@ def start_colocated(args, logs: Path):
 def start_1p1d(args, logs: Path):
     from pdserve.cluster import Cluster, ClusterError, ClusterSpec
 
-    flags = ("--dtype", args.dtype, *args.engine_args.split())
+    flags = ("--dtype", args.dtype, *shlex.split(args.engine_args))
     spec = ClusterSpec(model=args.model, num_prefill=1, num_decode=1, connector=args.connector,
                        grpc_port=0, disagg_threshold=args.disagg_threshold,
                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -130,7 +131,7 @@ def start_vllm(args, logs: Path):
     port = free_port()
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args.dtype, "--max-model-len", "2048"]
+           "--dtype", args.dtype, "--max-model-len", "2048", *shlex.split(args.vllm_args)]
     proc = Proc(cmd, logs / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": "2"})
     url = f"http://127.0.0.1:{port}"
     try:
