@@ -20,6 +20,15 @@ TEXTS = ["Count: one, two, three, one, two, three, one, two,",
          "Write a list of colors: red, green, blue, red, green,"]
 
 
+def assert_greedy_like_transformers(llm, hf, prompts, n):
+    """`n` greedy tokens of each token prompt from `llm` equal transformers' generate."""
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, n)
+
+
 def counts(llm):
     s = llm.llm_engine.scheduler
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
@@ -96,12 +105,7 @@ def test_module_path_keeps_every_right_draft(copying_model):
     path, hf = copying_model
     llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, speculative_config=NGRAM)
     assert llm.llm_engine.runner.model.native_layers is None  # head size 16: module path
-    prompts = [[5, 6, 7, 8, 9] * 3, list(range(100, 131))]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                        use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 24)
+    assert_greedy_like_transformers(llm, hf, [[5, 6, 7, 8, 9] * 3, list(range(100, 131))], 24)
     drafts, drafted, kept = counts(llm)
     assert drafts > 0 and kept == drafted
     assert drafts <= 2 * 24 / 4 + 2  # each step after the first two gave 1 + 3 tokens
@@ -114,12 +118,7 @@ def test_module_path_refused_drafts_leave_no_trace(copying_model):
     path, hf = copying_model
     llm = LLM(str(path), kv_cache_memory_bytes=8 << 20,
               speculative_config={**NGRAM, "prompt_lookup_min": 2})
-    prompts = [[5, 5, 6, 7, 5], [11, 11, 12, 13, 14, 11]]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 20)
+    assert_greedy_like_transformers(llm, hf, [[5, 5, 6, 7, 5], [11, 11, 12, 13, 14, 11]], 20)
     _, drafted, kept = counts(llm)
     assert 0 < kept <= drafted - 2 * 3  # each sequence's first draft was refused outright
 
@@ -131,12 +130,8 @@ def test_preemption_with_drafts_keeps_outputs(copying_model):
               enable_prefix_caching=False, speculative_config=NGRAM)
     assert llm.llm_engine.num_blocks == 10
     prompts = [[(17 * i + 5 * j) % 5000 + 10 for j in range(40)] for i in range(5)]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                        use_tqdm=False)
+    assert_greedy_like_transformers(llm, hf, prompts, 24)
     assert llm.llm_engine.scheduler.num_preemptions > 0 and counts(llm)[2] > 0
-    for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 24)
     engine = llm.llm_engine
     assert engine.num_free_blocks == engine.num_blocks and engine.kv_manager.num_requests == 0
 
