@@ -198,7 +198,8 @@ _CLI_KINDS: dict[str, dict[str, Any]] = {
 _HUMAN_INTS = {"max_model_len": human_int_or_auto, "max_num_batched_tokens": human_int,
                "kv_cache_memory_bytes": human_int}
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
-                "quantization": ("-q",), "compilation_config": ("-O",)}
+                "quantization": ("-q",), "compilation_config": ("-O",),
+                "speculative_config": ("-sc",)}
 # The values a choice field takes (validated by the config with a ValueError naming it).
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),

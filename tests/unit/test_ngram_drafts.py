@@ -102,6 +102,8 @@ def test_command_line_flag(tiny_model_dir):
                               '{"method": "ngram", "num_speculative_tokens": 2}'])
     engine_args = EngineArgs(**{f: getattr(args, f) for f in vars(args)})
     assert engine_args.create_engine_config().scheduler.speculative == SpeculativeConfig(2, 2, 4)
+    assert parser.parse_args(["-sc", '{"method": "ngram"}']).speculative_config == {
+        "method": "ngram"}  # vLLM's short flag
     bad = EngineArgs(model=str(tiny_model_dir), speculative_config={"method": "medusa"})
     with pytest.raises(ValueError, match="speculative_config.method"):
         bad.create_engine_config()
