@@ -18,7 +18,7 @@ keep failing backs off: after a draft is rejected outright it proposes none for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` for its "ngram" method (prompt lookup)."""
 
     num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -48,11 +48,11 @@ class SpeculativeConfig:
 
     @classmethod
     def from_vllm(cls, value: Any) -> SpeculativeConfig | None:
-        """vLLM's dict (or its JSON text): {"method": "ngram", "num_speculative_tokens": k,
-        "prompt_lookup_min": lo, "prompt_lookup_max": hi}; None or {} for no speculation.
-        Other methods (draft models, EAGLE, MTP) raise ValueError."""
-        if value is None or value == {}:
-            return None
+        """vLLM's dict (or its JSON text) with vLLM's meaning: {"method": "ngram" (or "model":
+        "ngram"), "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max":
+        hi}; without either bound both are 5, with one the other equals it; k is 3 unless
+        given. None or {} for no speculation. Other methods (draft models, EAGLE, MTP) and
+        keys raise ValueError naming them."""
         if isinstance(value, str):
             import json
 
@@ -60,28 +60,29 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except ValueError as exc:
                 raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        if value is None or value == {}:
+            return None
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a dict (JSON object)")
         options = dict(value)
-        method = options.pop("method", None) or ("ngram" if "prompt_lookup_max" in options
-                                                  else None)
-        if method != "ngram":
-            raise ValueError(f"speculative_config.method {method!r} is not supported: pdserve "
-                             "drafts by prompt lookup only (method 'ngram')")
-        allowed = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        unknown = sorted(set(options) - allowed)
+        method, model = options.pop("method", None), options.pop("model", None)
+        if method is None and model in _NGRAM_NAMES:
+            method = "ngram"
+        if method not in _NGRAM_NAMES or model not in (None, *_NGRAM_NAMES):
+            raise ValueError(f"speculative_config.method {method!r} (model {model!r}) is not "
+                             "supported: pdserve drafts by prompt lookup only (method 'ngram')")
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {unknown}")
         for key, v in options.items():
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"speculative_config.{key} must be an integer, got {v!r}")
-        if "prompt_lookup_min" in options and "prompt_lookup_max" not in options:
-            options["prompt_lookup_max"] = max(options["prompt_lookup_min"],
-                                               cls.prompt_lookup_max)
-        if "prompt_lookup_max" in options and "prompt_lookup_min" not in options:
-            options["prompt_lookup_min"] = min(options["prompt_lookup_max"],
-                                               cls.prompt_lookup_min)
-        return cls(**options)
+        lo, hi = options.pop("prompt_lookup_min", None), options.pop("prompt_lookup_max", None)
+        lo, hi = (lo or hi or cls.prompt_lookup_min), (hi or lo or cls.prompt_lookup_max)
+        return cls(**options, prompt_lookup_min=lo, prompt_lookup_max=hi)
+
+
+_NGRAM_NAMES = ("ngram", "[ngram]")
 
 
 def speculates(request: Request) -> bool:
@@ -94,6 +95,25 @@ def speculates(request: Request) -> bool:
         and not p.logit_bias and p.allowed_token_ids is None and not request.bad_words_token_ids
         and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0 and request.num_output_tokens >= p.min_tokens)
+
+
+def propose_drafts(running: list[Request], config: SpeculativeConfig | None,
+                   max_model_len: int) -> dict[str, list[int]]:
+    """Draft tokens for the decoding requests among `running` that speculate, by request id;
+    never more than their max_tokens and max_model_len leave room for (the token after the
+    drafts is always sampled)."""
+    if config is None:
+        return {}
+    drafts = {}
+    for request in running:
+        if request.num_tokens - request.num_computed_tokens == 1 and speculates(request):
+            request.drafts = request.drafts or NgramDrafts(config)
+            max_tokens = request.sampling_params.max_tokens or max_model_len
+            limit = min(max_tokens - request.num_output_tokens,
+                        max_model_len - request.num_tokens) - 1
+            if draft := request.drafts.propose(request.all_token_ids, limit):
+                drafts[request.request_id] = draft
+    return drafts
 
 
 class NgramDrafts:

@@ -105,11 +105,10 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            # A stop token or EOS that ended the request adds no text (as in vLLM). Drafts
-            # the model confirmed come before the sampled token (ngram_drafts.py); the
-            # scheduler kept those before the sequence finished.
-            new = [*result.accepted.get(request.request_id, ()), sample.token_id]
-            new = new[:request.num_output_tokens - seq.num_tokens_seen]
+            # A stop token or EOS that ended the request adds no text (as in vLLM). The new
+            # tokens: kept drafts (ngram_drafts.py), then the sampled one, up to any that
+            # ended the sequence.
+            new = request.output_token_ids[seq.num_tokens_seen:]
             seq.num_tokens_seen = request.num_output_tokens
             stop = seq.detokenizer.update(
                 new, request.num_output_tokens,

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pdserve.block_hash import extend_block_hashes
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from pdserve.engine.ngram_drafts import NgramDrafts, speculates
+from pdserve.engine.ngram_drafts import propose_drafts
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.step_records import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from pdserve.kv_transfer.connector import KVConnector, LoadResult
@@ -44,7 +44,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        # Speculative decoding: drafts verified, their tokens, and the tokens the model confirmed.
+        # Tokens appended to outputs; with drafts: drafts verified, their tokens, and those kept.
+        self.num_output_tokens = 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     # --- admission -------------------------------------------------------------------------
@@ -96,14 +97,17 @@ class Scheduler:
         out = SchedulerOutput()
         self._finish_loads(out)
         budget = self.config.max_num_batched_tokens
-        drafts = self._propose_drafts()
+        drafts = propose_drafts(self.running, self.config.speculative, self.max_model_len)
         prefill_budget = self._prefill_budget(sum(map(len, drafts.values())))
         scheduled: set[str] = set()
+        # decodes not yet scheduled: their tokens come before anyone's drafts
+        decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         for request in list(self.running):
             if request not in self.running:  # preempted earlier in this loop
                 continue
             left = request.num_tokens - request.num_computed_tokens
-            draft = drafts.get(request.request_id, [])[:budget - 1]
+            decodes_left -= left == 1
+            draft = drafts.get(request.request_id, [])[:max(budget - 1 - decodes_left, 0)]
             if draft and self.kv.allocate_slots(request, 1 + len(draft)) is not None:
                 out.chunks.append(self._chunk(request, 1 + len(draft), draft))
                 scheduled.add(request.request_id)
@@ -135,22 +139,6 @@ class Scheduler:
             if blocked and not self.running and not self.loading:
                 self._unblock(blocked)
         return out
-
-    def _propose_drafts(self) -> dict[str, list[int]]:
-        """Draft tokens for the decoding requests that speculate (ngram_drafts.py), by id."""
-        spec = self.config.speculative
-        if spec is None:
-            return {}
-        drafts = {}
-        for request in self.running:
-            if request.num_tokens - request.num_computed_tokens == 1 and speculates(request):
-                request.drafts = request.drafts or NgramDrafts(spec)
-                max_tokens = request.sampling_params.max_tokens or self.max_model_len
-                limit = min(max_tokens - request.num_output_tokens,  # the last one is sampled
-                            self.max_model_len - request.num_tokens) - 1
-                if draft := request.drafts.propose(request.all_token_ids, limit):
-                    drafts[request.request_id] = draft
-        return drafts
 
     def _prefill_budget(self, num_drafts: int) -> int:
         """Prompt tokens this step may compute: while running requests are decoding (their
@@ -326,16 +314,17 @@ class Scheduler:
                 request.drafts.record(len(chunk.draft_token_ids), len(accepted))
                 self.num_drafts += 1
                 self.num_draft_tokens += len(chunk.draft_token_ids)
-                self.num_accepted_tokens += len(accepted)
                 request.num_computed_tokens += 1 + len(accepted)
             else:
                 request.num_computed_tokens += chunk.num_tokens
             sample = result.sampled.get(request.request_id)
             if sample is not None:
-                for token in (*accepted, sample.token_id):
+                for i, token in enumerate((*accepted, sample.token_id)):
                     request.append_output_token(token)
+                    self.num_output_tokens += 1
+                    self.num_accepted_tokens += i < len(accepted)
                     self._check_stop(request)
-                    if request.is_finished:
+                    if request.is_finished:  # a kept draft ended it: nothing after counts
                         break
                 extend_block_hashes(request.block_hashes, request.all_token_ids,
                                     self.block_size, request.hash_root)

@@ -76,10 +76,13 @@ def test_native_loop_drafts_give_transformers_tokens(smollm2_drafting, hf_smollm
     i, j = next((i, j) for i, w in enumerate(want) for j in range(4, 40)
                 if w.index(w[j]) == j)
     stop = want[i][j]
+    generated = llm.llm_engine.num_generation_tokens
     [out] = llm.generate(TokensPrompt(prompt_token_ids=prompts[i]),
                          SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop]),
                          use_tqdm=False)
     assert list(out.outputs[0].token_ids) == want[i][:j + 1]
+    # kept drafts after the stop token are neither output nor counted
+    assert llm.llm_engine.num_generation_tokens - generated == j + 1
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
 
 
@@ -149,3 +152,26 @@ def test_requests_that_do_not_speculate_are_unchanged(copying_model):
         results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
         assert counts(llm) == (0, 0, 0)
     assert results[0] == results[1]
+
+
+def test_drafts_stay_in_the_step_budget_and_never_crowd_out_a_decode(copying_model):
+    """With 12 tokens a step and 5 requests decoding, every decoding request gets its token
+    each step; drafts only fill what is left (7 of the 12), never more."""
+    path, hf = copying_model
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=12,
+              speculative_config=NGRAM)
+    engine = llm.llm_engine
+    execute, steps = engine.runner.execute, []
+
+    def record(sched):
+        decoding = {r.request_id for r in engine.scheduler.running
+                    if r.num_tokens - r.num_computed_tokens == 1}
+        steps.append((sched.num_tokens, decoding, {c.request.request_id for c in sched.chunks},
+                      sum(len(c.draft_token_ids) for c in sched.chunks)))
+        return execute(sched)
+
+    engine.runner.execute = record
+    assert_greedy_like_transformers(llm, hf, [[40 + i, 41 + i] for i in range(5)], 16)
+    assert all(tokens <= 12 for tokens, *_ in steps)
+    assert all(decoding <= chunked for _, decoding, chunked, _ in steps)
+    assert any(len(decoding) == 5 and drafts == 7 for _, decoding, _, drafts in steps)

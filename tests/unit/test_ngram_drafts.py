@@ -53,12 +53,13 @@ def test_rejections_back_off_exponentially_and_an_acceptance_resets():
 
 
 @pytest.mark.parametrize("value,want", [
-    ({"method": "ngram"}, SpeculativeConfig(3, 2, 4)),
+    ({"method": "ngram"}, SpeculativeConfig(3, 5, 5)),  # vLLM's bounds when none is given
     ('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 6}',
-     SpeculativeConfig(5, 2, 6)),
-    ({"prompt_lookup_max": 1}, SpeculativeConfig(3, 1, 1)),  # vLLM: ngram by its keys
-    ({"method": "ngram", "prompt_lookup_min": 5}, SpeculativeConfig(3, 5, 5)),
-    (None, None), ({}, None),
+     SpeculativeConfig(5, 6, 6)),  # one bound: the other equals it, as in vLLM
+    ({"method": "ngram", "prompt_lookup_min": 2}, SpeculativeConfig(3, 2, 2)),
+    ({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+      "prompt_lookup_max": 3}, SpeculativeConfig(2, 1, 3)),  # vLLM's older spelling
+    (None, None), ({}, None), ("{}", None),
 ])
 def test_vllm_speculative_config(value, want):
     assert SpeculativeConfig.from_vllm(value) == want
@@ -66,7 +67,9 @@ def test_vllm_speculative_config(value, want):
 
 @pytest.mark.parametrize("value,field", [
     ({"method": "eagle", "model": "x"}, "method"),
-    ({"method": "ngram", "model": "x"}, "unsupported key"),
+    ({"method": "ngram", "model": "x"}, "model"),
+    ({"prompt_lookup_max": 4}, "method None"),
+    ({"method": "ngram", "disable_by_batch_size": 4}, "unsupported key"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens"),
@@ -101,7 +104,7 @@ def test_command_line_flag(tiny_model_dir):
     args = parser.parse_args(["--model", str(tiny_model_dir), "--speculative-config",
                               '{"method": "ngram", "num_speculative_tokens": 2}'])
     engine_args = EngineArgs(**{f: getattr(args, f) for f in vars(args)})
-    assert engine_args.create_engine_config().scheduler.speculative == SpeculativeConfig(2, 2, 4)
+    assert engine_args.create_engine_config().scheduler.speculative == SpeculativeConfig(2, 5, 5)
     assert parser.parse_args(["-sc", '{"method": "ngram"}']).speculative_config == {
         "method": "ngram"}  # vLLM's short flag
     bad = EngineArgs(model=str(tiny_model_dir), speculative_config={"method": "medusa"})
