@@ -3,12 +3,13 @@
 A greedy sequence often repeats itself or its prompt. When the last n tokens (n from
 `prompt_lookup_max` down to `prompt_lookup_min`) occurred earlier in the sequence, the tokens
 that followed their latest occurrence are proposed as the next ones (repeated with the period
-that occurrence implies, where fewer tokens have followed it than asked for). The engine computes the sequence's last
-token and the drafts in one chunk, takes the argmax at every position and keeps the drafts up
-to the first that differs from it, plus the argmax after them: the same tokens as one at a
-time, in fewer steps. On CPU a step's cost is mostly streaming weights and the cache, so the
-rows added by a rejected draft cost little, and several accepted tokens share one pass over
-the sequence's keys and values.
+that occurrence implies, where fewer tokens have followed it than asked for). The engine
+computes the sequence's last token and the drafts in one step, as decode rows at growing
+context lengths, takes the argmax at every position and keeps the drafts up to the first that
+differs from it, plus the argmax after them: the same tokens as one at a time, in fewer steps.
+Each kept draft saves a step's share of the fixed costs and most of a pass over the sequence's
+keys and values (the decode attention reads a sequence's rows one after another, from cache);
+a refused one costs a row of arithmetic.
 
 Only sequences whose next token is the plain argmax speculate: greedy, without logprobs,
 penalties, biases, masks, grammars or stop strings (`speculates`). A sequence whose drafts
@@ -118,7 +119,9 @@ def propose_drafts(running: list[Request], config: SpeculativeConfig | None,
 
 class NgramDrafts:
     """One sequence's n-gram index: where each n-gram of its tokens (but the last n) last
-    ended, for lookups in O(1) per step; it catches up with the tokens it is given."""
+    ended, for lookups in O(1) per step; it catches up with the tokens it is given. It holds
+    up to (max - min + 1) entries per token, a few hundred bytes: well under 1% of what a
+    token's keys and values take in the cache."""
 
     def __init__(self, config: SpeculativeConfig):
         self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
