@@ -12,7 +12,8 @@ keys and values (the decode attention reads a sequence's rows one after another,
 a refused one costs a row of arithmetic.
 
 Only sequences whose next token is the plain argmax speculate: greedy, without logprobs,
-penalties, biases, masks, grammars or stop strings (`speculates`). A sequence whose drafts
+penalties, biases, masks or grammars (`speculates`). A stop string completed inside kept
+drafts ends the output there (output_processor.py). A sequence whose drafts
 keep failing backs off: after a draft is rejected outright it proposes none for 1, 2, 4 ...
 (at most MAX_BACKOFF_STEPS) steps, and one accepted draft resets that.
 """
@@ -92,7 +93,7 @@ def speculates(request: Request) -> bool:
     p = request.sampling_params
     return bool(
         p.temperature < _SAMPLING_EPS and p.logprobs is None and p.prompt_logprobs is None
-        and not p.stop and request.grammar is None and request.pooling_params is None
+        and request.grammar is None and request.pooling_params is None
         and not p.logit_bias and p.allowed_token_ids is None and not request.bad_words_token_ids
         and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0 and request.num_output_tokens >= p.min_tokens)

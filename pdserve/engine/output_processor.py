@@ -105,14 +105,7 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            # A stop token or EOS that ended the request adds no text (as in vLLM). The new
-            # tokens: kept drafts (ngram_drafts.py), then the sampled one, up to any that
-            # ended the sequence.
-            new = request.output_token_ids[seq.num_tokens_seen:]
-            seq.num_tokens_seen = request.num_output_tokens
-            stop = seq.detokenizer.update(
-                new, request.num_output_tokens,
-                stop_terminated=request.status == RequestStatus.FINISHED_STOPPED)
+            stop = self._detokenize(seq, request)
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 stopped.append(request)
@@ -126,6 +119,28 @@ class OutputProcessor:
                                                        request.sampling_params))
                 seq.cumulative_logprob += sample.logprobs[sample.token_id][0]
         return stopped
+
+    @staticmethod
+    def _detokenize(seq: SequenceState, request: Request) -> str | None:
+        """Give the detokenizer the request's new output tokens (kept drafts, then the sampled
+        one: ngram_drafts.py), one at a time; returns the stop string found. A stop string
+        ends the output at the token that completes it: the tokens after it are dropped, as
+        decoding one token a step would never have made them. A stop token or EOS that ended
+        the request adds no text (as in vLLM)."""
+        seen, total = seq.num_tokens_seen, request.num_output_tokens
+        ended_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        seq.num_tokens_seen = total
+        for n in range(seen + 1, total + 1):
+            stop = seq.detokenizer.update([request.output_token_ids[n - 1]], n,
+                                          stop_terminated=ended_by_token and n == total)
+            if stop is not None and n < total:
+                del request.output_token_ids[n:]
+                seq.num_tokens_seen = n
+                if request.is_finished:  # by a later token: the stop string came first
+                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            if stop is not None:
+                return stop
+        return None
 
     def make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
         """One RequestOutput per parent request that progressed (as its output_kind allows)."""

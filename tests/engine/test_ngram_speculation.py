@@ -86,6 +86,32 @@ def test_native_loop_drafts_give_transformers_tokens(smollm2_drafting, hf_smollm
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
 
 
+def test_stop_strings_inside_kept_drafts_end_the_output_there(smollm2_drafting, smollm2_llm):
+    """Stop strings taken from the middle of greedy outputs: with drafts, the tokens, text,
+    finish and stop reasons equal those of an engine without drafts; tokens kept past the
+    stop string in the same step are dropped (at least one case has some)."""
+    tok = smollm2_drafting.get_tokenizer()
+    scheduler = smollm2_drafting.llm_engine.scheduler
+    dropped = []
+    for prompt in (tok.encode(t) for t in TEXTS):
+        [whole] = smollm2_llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+        text = whole.outputs[0].text
+        for at, include in ((len(text) // 3, False), (len(text) // 2, True)):
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                    stop=[text[at:at + 3]], include_stop_str_in_output=include)
+            [want] = smollm2_llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                          use_tqdm=False)
+            before = scheduler.num_output_tokens
+            [got] = smollm2_drafting.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                              use_tqdm=False)
+            g, w = got.outputs[0], want.outputs[0]
+            assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
+                w.token_ids, w.text, w.finish_reason, w.stop_reason) and g.finish_reason == "stop"
+            dropped.append(scheduler.num_output_tokens - before - len(g.token_ids))
+    assert max(dropped) > 0 and min(dropped) >= 0
+
+
 def test_streamed_deltas_carry_the_kept_drafts(smollm2_drafting):
     engine: LLMEngine = smollm2_drafting.llm_engine
     tok = smollm2_drafting.get_tokenizer()

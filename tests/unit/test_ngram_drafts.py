@@ -88,8 +88,9 @@ def test_only_plain_greedy_requests_speculate():
         return Request("r", [1, 2, 3], SamplingParams(**kw))
 
     assert speculates(request(temperature=0))
+    assert speculates(request(temperature=0, stop=["x"]))  # cut where it ends (processor)
     for kw in ({"temperature": 0.7}, {"temperature": 0, "logprobs": 2},
-               {"temperature": 0, "stop": ["x"]}, {"temperature": 0, "logit_bias": {5: 1.0}},
+               {"temperature": 0, "logit_bias": {5: 1.0}},
                {"temperature": 0, "repetition_penalty": 1.2},
                {"temperature": 0, "presence_penalty": 0.5},
                {"temperature": 0, "min_tokens": 4}, {"temperature": 0, "prompt_logprobs": 1},
