@@ -99,7 +99,8 @@ class EngineStats:
     cached_blocks: int
     prompt_tokens: int = 0  # computed so far (prefill), and sampled so far
     generation_tokens: int = 0
-    draft_tokens: int = 0  # speculative decoding: drafted so far, and kept
+    drafts: int = 0  # speculative decoding: drafts verified, their tokens, and those kept
+    draft_tokens: int = 0
     accepted_tokens: int = 0
 
 
@@ -245,7 +246,8 @@ class EngineLoop:
             kv_loads_failed=sched.kv_loads_failed, cached_blocks=len(pool.cached),
             prompt_tokens=self.engine.num_prompt_tokens,
             generation_tokens=self.engine.num_generation_tokens,
-            draft_tokens=sched.num_draft_tokens, accepted_tokens=sched.num_accepted_tokens)
+            drafts=sched.num_drafts, draft_tokens=sched.num_draft_tokens,
+            accepted_tokens=sched.num_accepted_tokens)
 
     def _run(self) -> None:
         while not self._stopped.is_set():

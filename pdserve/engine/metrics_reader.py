@@ -32,17 +32,25 @@ class Gauge(Metric):
 
 
 def engine_metrics(engine: LLMEngine) -> list[Metric]:
-    """Token counters, queue gauges and KV cache usage (0..1) of one engine."""
+    """Token counters, queue gauges and KV cache usage (0..1) of one engine; with
+    speculative_config, vLLM's draft counters too."""
     labels = {"model_name": engine.config.model.served_name, "engine": "0"}
     sched = engine.scheduler
 
     def lb() -> dict[str, str]:
         return dict(labels)
 
-    return [
+    metrics = [
         Counter("vllm:prompt_tokens", lb(), engine.num_prompt_tokens),
         Counter("vllm:generation_tokens", lb(), engine.num_generation_tokens),
         Gauge("vllm:num_requests_running", lb(), float(sched.num_running)),
         Gauge("vllm:num_requests_waiting", lb(), float(sched.num_waiting)),
         Gauge("vllm:kv_cache_usage_perc", lb(), engine.block_pool.usage),
     ]
+    if engine.config.scheduler.speculative is not None:
+        metrics += [
+            Counter("vllm:spec_decode_num_drafts", lb(), sched.num_drafts),
+            Counter("vllm:spec_decode_num_draft_tokens", lb(), sched.num_draft_tokens),
+            Counter("vllm:spec_decode_num_accepted_tokens", lb(), sched.num_accepted_tokens),
+        ]
+    return metrics

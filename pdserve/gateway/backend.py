@@ -137,6 +137,10 @@ class BackendStats:
     kv_transfer_bytes: int | None = None
     kv_transfer_seconds: float | None = None
     prefix_index_errors: int | None = None
+    # speculative decoding (a local engine with speculative_config): drafts, drafted, kept
+    spec_drafts: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
     instances: dict[str, int] = field(default_factory=dict)  # role -> live instances
 
     @property

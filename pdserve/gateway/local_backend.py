@@ -140,12 +140,16 @@ class LocalBackend(Backend):
 
     async def stats(self) -> BackendStats:
         s = await self._call(self.loop.stats)
+        drafts = self.engine.config.scheduler.speculative is not None
         return BackendStats(
             running_requests=s.running_requests, waiting_requests=s.waiting_requests,
             free_blocks=s.free_blocks, total_blocks=s.total_blocks,
             prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
             kv_transfer_bytes=getattr(s, "kv_bytes_received", None),
             kv_transfer_seconds=getattr(s, "kv_transfer_seconds", None),
+            spec_drafts=s.drafts if drafts else None,
+            spec_draft_tokens=s.draft_tokens if drafts else None,
+            spec_accepted_tokens=s.accepted_tokens if drafts else None,
             instances={"colocated": 1})
 
     async def close(self) -> None:

@@ -110,6 +110,10 @@ class BackendCollector:
              s.kv_transfer_seconds),
             ("prefix_index_errors", "Prefix-index backend failures (routing fell back to load).",
              s.prefix_index_errors),
+            ("spec_decode_num_drafts", "Drafts verified (speculative decoding).", s.spec_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens the model kept.",
+             s.spec_accepted_tokens),
         ]
         for name, doc, value in counters:
             if value is not None:

@@ -201,3 +201,38 @@ def test_drafts_stay_in_the_step_budget_and_never_crowd_out_a_decode(copying_mod
     assert all(tokens <= 12 for tokens, *_ in steps)
     assert all(decoding <= chunked for _, decoding, chunked, _ in steps)
     assert any(len(decoding) == 5 and drafts == 7 for _, decoding, _, drafts in steps)
+
+
+def test_draft_counters_in_get_metrics_and_on_metrics(copying_model):
+    """vLLM's spec_decode counters: in `LLM.get_metrics()` and on the gateway's /metrics of a
+    local engine with drafts, equal to the engine's own counts; absent without drafts."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from pdserve.engine.engine_args import EngineArgs
+    from pdserve.gateway.app import build_app
+    from pdserve.gateway.local_backend import LocalBackend
+
+    path, _ = copying_model
+    names = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+             "spec_decode_num_accepted_tokens")
+    backend = LocalBackend.from_engine_args(EngineArgs(
+        model=str(path), kv_cache_memory_bytes=8 << 20, served_model_name="copy",
+        speculative_config=NGRAM))
+    with TestClient(build_app(backend, "copy")) as client:
+        r = client.post("/v1/completions", json={"prompt": [5, 6, 7, 5, 6], "max_tokens": 16,
+                                                  "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        samples = {s.name: s.value for f in text_string_to_metric_families(
+            client.get("/metrics").text) for s in f.samples}
+    s = backend.engine.scheduler
+    want = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+    assert want[0] > 0
+    assert tuple(samples[f"pdserve:{n}_total"] for n in names) == want
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, speculative_config=NGRAM)
+    llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7, 5, 6]), SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    got = {m.name: m.value for m in llm.get_metrics()}
+    assert tuple(got[f"vllm:{n}"] for n in names) == counts(llm) and counts(llm)[0] > 0
+    plain = LLM(str(path), kv_cache_memory_bytes=8 << 20)
+    assert not any(m.name.startswith("vllm:spec_decode") for m in plain.get_metrics())
