@@ -1,8 +1,9 @@
 """The request record: one object carries a request from admission to its last token.
 
-Only the scheduler changes the counters (`num_computed_tokens`, status); the engine appends
-sampled tokens through `append_output_token`. The block pool and KV cache manager read it but
-never write it.
+Only the scheduler changes the counters (`num_computed_tokens`, status) and appends sampled
+tokens (`append_output_token`), with one exception: the output processor ends a request at a
+stop string, which may drop tokens after it that the same step appended (kept drafts,
+ngram_drafts.py). The block pool and KV cache manager read it but never write it.
 """
 
 from __future__ import annotations
