@@ -110,7 +110,8 @@ class ModelRunner:
         for chunk in chunks:
             request, start, n = chunk.request, chunk.start, chunk.num_tokens
             t0 = len(ids)
-            tokens = request.all_token_ids + chunk.draft_token_ids
+            tokens = request.all_token_ids  # a new list: drafts may go on its end
+            tokens += chunk.draft_token_ids
             ids.extend(tokens[start:start + n])
             table = chunk.block_table
             for p in range(start, start + n):
