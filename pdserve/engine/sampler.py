@@ -1,8 +1,9 @@
 """Batched token sampling from logits, with vLLM's logits processing and logprobs semantics.
 
 Order of processing (as in vLLM v1): allowed_token_ids mask, bad words, min_tokens, logit_bias,
-repetition / frequency / presence penalties, the structured-output grammar's mask; then greedy rows take the argmax, random rows go
-through temperature, min_p, top_k, top_p and an exponential race (per-row generator if seeded).
+repetition / frequency / presence penalties, the structured-output grammar's mask; then greedy
+rows take the argmax, random rows go through temperature, min_p, top_k, top_p and one uniform
+draw each through the cumulative probabilities (per-row generator if seeded).
 Logprobs are always those of the raw logits.
 """
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 _SAMPLING_EPS = 1e-5
 _NEG_INF = float("-inf")
 _PROMPT_CHUNK = 1024
+_DRAW_BLOCK = 256  # tokens a block of the cumulative sums in draw_tokens
 # A step's prompt logprobs of one request: (its chunk's first position, {token: (logprob,
 # rank)} for each prompt token after it). A chunk computed again repeats earlier positions.
 PromptLogprobChunk = tuple[int, list[dict[int, tuple[float, int]]]]
@@ -236,7 +238,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Request], greedy: list[bool],
         idx = torch.tensor(random_idx, dtype=torch.long, device=device)
         sub_rows = [rows[i] for i in random_idx]
         probs = sampling_probs(logits[idx], [r.sampling_params for r in sub_rows])  # (n, V)
-        tokens[idx] = _exponential_race(probs, sub_rows, generator)
+        tokens[idx] = draw_tokens(probs, sub_rows, generator)
     return tokens
 
 
@@ -285,23 +287,41 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return logits.softmax(dim=-1)
 
 
-def _exponential_race(probs: torch.Tensor, rows: Sequence[Request],
-                      generator: torch.Generator) -> torch.Tensor:
-    """probs: (n, V). argmax(probs / q) with q ~ Exp(1) draws a token with probability probs.
-    A seeded row draws q from its own generator only, so its token ignores the rest of the
-    batch; other rows share `generator`."""
-    q = torch.empty_like(probs)  # (n, V)
+def draw_tokens(probs: torch.Tensor, rows: Sequence[Request],
+                generator: torch.Generator) -> torch.Tensor:
+    """probs: (n, V), each row non-negative with positive mass. Draws token t of row j with
+    probability probs[j, t] / sum(probs[j]) by one uniform draw per row, through the row's
+    cumulative sums: first over blocks of _DRAW_BLOCK tokens, then within the block it lands
+    in (in float64). A seeded row draws from its own generator only, so its token ignores the
+    rest of the batch; other rows share `generator`. Returns (n,) long."""
+    n, vocab = probs.shape
+    u = torch.empty(n, 1, dtype=torch.float64, device=probs.device)  # (n, 1) in [0, 1)
     unseeded = [j for j, row in enumerate(rows) if row.sampling_params.seed is None]
     if unseeded:
         idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
-        q[idx] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype,
-                             device=probs.device).exponential_(generator=generator)
+        u[idx] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=probs.device,
+                            generator=generator)
     for j, row in enumerate(rows):
         gen = row.next_draw_generator()
         if gen is not None:
-            draw = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
-            q[j] = draw.exponential_(generator=gen).to(probs.device)
-    return (probs / q).argmax(dim=-1)
+            u[j] = torch.rand(1, dtype=torch.float64, generator=gen).to(probs.device)
+    pad = (-vocab) % _DRAW_BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).reshape(
+        n, -1, _DRAW_BLOCK)  # (n, NB, block)
+    sums = blocks.sum(dim=-1).to(torch.float64)  # (n, NB)
+    cdf = sums.cumsum(dim=-1)  # (n, NB)
+    target = u * cdf[:, -1:]  # (n, 1)
+    b = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # (n, 1)
+    before = cdf.gather(1, (b - 1).clamp(min=0)) * (b > 0)  # (n, 1) mass of earlier blocks
+    inside = blocks.gather(1, b.unsqueeze(-1).expand(n, 1, _DRAW_BLOCK)).squeeze(1)
+    inside = inside.to(torch.float64).cumsum(dim=-1)  # (n, block) the block's own sums
+    at = (target - before) / sums.gather(1, b) * inside[:, -1:]  # (n, 1) within the block
+    t = torch.searchsorted(inside, at, right=True).clamp_(max=_DRAW_BLOCK - 1)  # (n, 1)
+    tokens = (b * _DRAW_BLOCK + t).squeeze(1).clamp_(max=vocab - 1)  # (n,)
+    missed = probs.gather(1, tokens.unsqueeze(1)).squeeze(1) <= 0  # rounding at an edge
+    if bool(missed.any()):
+        tokens[missed] = probs[missed].argmax(dim=-1)
+    return tokens
 
 
 def _logprob_dicts(

@@ -193,6 +193,26 @@ def test_random_sampling_follows_distribution():
     torch.testing.assert_close(counts[:4], row_logits.softmax(-1)[:4], atol=0.03, rtol=0)
 
 
+def test_draws_across_blocks_follow_the_distribution_and_skip_zero_mass():
+    """draw_tokens over 700 tokens (blocks of 256 and a padded last one): the counts of a
+    mass spread over three blocks follow it (chi-square against the exact probabilities),
+    and no token of zero mass is ever drawn, at block edges included."""
+    from pdserve.engine.sampler import draw_tokens
+
+    vocab, n = 700, 30000
+    probs = torch.zeros(vocab)
+    mass = {0: 0.05, 255: 0.2, 256: 0.1, 300: 0.25, 511: 0.15, 512: 0.05, 699: 0.2}
+    for t, m in mass.items():
+        probs[t] = m * 3.0  # unnormalized rows are fine
+    gen = torch.Generator().manual_seed(7)
+    tokens = draw_tokens(probs.expand(n, vocab).contiguous(), [Row(SamplingParams())] * n, gen)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[probs == 0].sum() == 0
+    want = torch.tensor([mass[t] for t in mass], dtype=torch.float64) * n
+    chi2 = float(((counts[list(mass)] - want) ** 2 / want).sum())
+    assert chi2 < 22.5, (counts[list(mass)], want)  # 6 degrees of freedom, p = 0.001
+
+
 def test_seeded_rows_ignore_batch_composition_and_order():
     logits = make_logits(6, seed=7)
     params = [SamplingParams(seed=11), SamplingParams(seed=22, top_p=0.9), SamplingParams(top_k=5),
