@@ -55,13 +55,15 @@ def test_engine_thread_keeps_spinning_beside_another_pool(tiny_model_dir):
         # dominate both counts, and the comparison says nothing.
         pytest.skip("the machine is too busy to count barrier sleeps")
     # Another tenant of the host preempting a compute thread only adds switches, to either
-    # count, and the load average here does not see it: the policy must halve them in one of
-    # three rounds (2 cores: about 400 against 3,400 on a quiet host, 1,300-1,800 against
-    # 3,750 on a busier one); without it the counts are level in all.
+    # count, and the load average here does not see it. Hosts differ in how many barrier
+    # gaps outlast the raised spin too (2 cores: about 400 against 3,400 on a quiet host,
+    # 1,300-1,800 against 3,750 on a busier one, 2,700-3,000 against 3,500-3,700 on one with
+    # slower memory). Without the policy the counts are level (within a few percent), so it
+    # must cut them by a tenth in one of three rounds.
     rounds = []
     for _ in range(3):
         rounds.append((_switches(tiny_model_dir, "active"), _switches(tiny_model_dir, "unset")))
         active, unset = rounds[-1]
-        if active * 2 < unset:
+        if active * 10 < unset * 9:
             return
     pytest.fail(f"(active, unset) switches in each round: {rounds}")
