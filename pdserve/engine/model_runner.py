@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.draft_verifier import verify_drafts
 from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.pooling import pool_hidden
 from pdserve.engine.sampler import SampleResult, Sampler, prompt_logprobs
@@ -77,26 +78,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last_idx + verify_idx])  # (B + D, V)
             for request, result in zip(sampled, self.sampler(logits[:len(sampled)], sampled)):
                 out.sampled[request.request_id] = result
-            if verified:
-                self._verify(verified, logits[len(sampled):], out)
+            drafted = verify_drafts(verified, logits[len(sampled):], self.sampler)
+            for chunk, (kept, token) in zip(verified, drafted):
+                out.accepted[chunk.request.request_id] = kept
+                out.sampled[chunk.request.request_id] = SampleResult(token, None)
         return out
-
-    def _verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
-                out: ModelRunnerOutput) -> None:
-        """Drafted chunks: logits (sum of 1 + drafts, V'), each chunk's rows in order. Keeps
-        each chunk's drafts up to the first that is not the argmax before it, and samples the
-        argmax after the last kept one (ngram_drafts.py)."""
-        best = logits[:, :self.sampler.vocab_size].argmax(dim=-1).tolist()  # (sum,)
-        i = 0
-        for chunk in chunks:
-            drafts = chunk.draft_token_ids
-            choices = best[i:i + len(drafts) + 1]
-            i += len(drafts) + 1
-            kept = 0
-            while kept < len(drafts) and drafts[kept] == choices[kept]:
-                kept += 1
-            out.accepted[chunk.request.request_id] = drafts[:kept]
-            out.sampled[chunk.request.request_id] = SampleResult(choices[kept], None)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         ids: list[int] = []

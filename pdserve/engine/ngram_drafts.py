@@ -11,10 +11,12 @@ Each kept draft saves a step's share of the fixed costs and most of a pass over 
 keys and values (the decode attention reads a sequence's rows one after another, from cache);
 a refused one costs a row of arithmetic.
 
-Only sequences whose next token is the plain argmax speculate: greedy, without logprobs,
-penalties, biases, masks or grammars (`speculates`). A stop string completed inside kept
-drafts ends the output there (output_processor.py). A sequence whose drafts
-keep failing backs off: after a draft is rejected outright it proposes none for 1, 2, 4 ...
+Sampled sequences without a seed speculate too: their drafts are kept by rejection sampling,
+so their tokens follow the distribution of sampling one at a time (draft_verifier.py).
+Sequences with logprobs, penalties, biases, masks, grammars or a seed (each of whose draws
+depends on its position alone) do not (`speculates`). A stop string completed inside kept
+drafts ends the output there (output_processor.py). A sequence whose drafts keep failing
+backs off: after a draft is rejected outright it proposes none for 1, 2, 4 ...
 (at most MAX_BACKOFF_STEPS) steps, and one accepted draft resets that.
 """
 
@@ -88,11 +90,13 @@ _NGRAM_NAMES = ("ngram", "[ngram]")
 
 
 def speculates(request: Request) -> bool:
-    """Whether the request's next token is the plain argmax of its logits, so drafts checked
-    against it give the same tokens."""
+    """Whether drafts checked against the request's logits give what one token at a time
+    would: its next token is the argmax of its logits (greedy) or an unseeded draw from them
+    after temperature, min_p, top_k and top_p, with nothing else changing them."""
     p = request.sampling_params
     return bool(
-        p.temperature < _SAMPLING_EPS and p.logprobs is None and p.prompt_logprobs is None
+        (p.temperature < _SAMPLING_EPS or p.seed is None)
+        and p.logprobs is None and p.prompt_logprobs is None
         and request.grammar is None and request.pooling_params is None
         and not p.logit_bias and p.allowed_token_ids is None and not request.bad_words_token_ids
         and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0

@@ -89,7 +89,8 @@ def test_native_loop_drafts_give_transformers_tokens(smollm2_drafting, hf_smollm
 def test_stop_strings_inside_kept_drafts_end_the_output_there(smollm2_drafting, smollm2_llm):
     """Stop strings taken from the middle of greedy outputs: with drafts, the tokens, text,
     finish and stop reasons equal those of an engine without drafts; tokens kept past the
-    stop string in the same step are dropped (at least one case has some)."""
+    stop string in the same step are dropped (at least one case has some) and not counted as
+    generated."""
     tok = smollm2_drafting.get_tokenizer()
     scheduler = smollm2_drafting.llm_engine.scheduler
     dropped = []
@@ -103,12 +104,16 @@ def test_stop_strings_inside_kept_drafts_end_the_output_there(smollm2_drafting, 
             [want] = smollm2_llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
                                           use_tqdm=False)
             before = scheduler.num_output_tokens
+            generated = smollm2_drafting.llm_engine.num_generation_tokens
             [got] = smollm2_drafting.generate(TokensPrompt(prompt_token_ids=prompt), params,
                                               use_tqdm=False)
             g, w = got.outputs[0], want.outputs[0]
             assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
                 w.token_ids, w.text, w.finish_reason, w.stop_reason) and g.finish_reason == "stop"
             dropped.append(scheduler.num_output_tokens - before - len(g.token_ids))
+            # the generated-token counter counts the tokens output, not those dropped
+            assert (smollm2_drafting.llm_engine.num_generation_tokens - generated
+                    == len(g.token_ids))
     assert max(dropped) > 0 and min(dropped) >= 0
 
 
@@ -236,3 +241,31 @@ def test_draft_counters_in_get_metrics_and_on_metrics(copying_model):
     assert tuple(got[f"vllm:{n}"] for n in names) == counts(llm) and counts(llm)[0] > 0
     plain = LLM(str(path), kv_cache_memory_bytes=8 << 20)
     assert not any(m.name.startswith("vllm:spec_decode") for m in plain.get_metrics())
+
+
+def test_sampled_requests_draft_and_follow_transformers_distribution(copying_model):
+    """Unseeded sampled requests draft too (rejection sampling, draft_verifier.py): drafts are
+    kept and refused, and the tokens that follow a state follow transformers' distribution
+    there at temperature 2 and top_k 3 (the copying model's next token depends on the last
+    token alone, so every transition out of the state is one draw from it)."""
+    path, hf = copying_model
+    with torch.no_grad():
+        logits = hf(torch.arange(200, 400).unsqueeze(1)).logits[:, -1]  # (200, V)
+    top = logits.topk(3, dim=-1)
+    probs = (top.values / 2.0).softmax(dim=-1)  # (200, 3)
+    i = int((probs[:, 0] - 0.7).abs().argmin())  # a state left about 30% of the time
+    state, ids, p = 200 + i, top.indices[i].tolist(), probs[i].double()
+    assert ids[0] == state and 0.55 < p[0] < 0.85
+    llm = LLM(str(path), kv_cache_memory_bytes=16 << 20, speculative_config=NGRAM)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[state] * 8)] * 200, SamplingParams(
+        temperature=2.0, top_k=3, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    after = []
+    for out in outs:
+        seq = [state, *out.outputs[0].token_ids]
+        after += [b for a, b in zip(seq, seq[1:]) if a == state]
+    seen = torch.tensor([after.count(t) for t in ids], dtype=torch.float64)
+    assert seen.sum() == len(after) > 400  # nothing outside the top 3
+    chi2 = float(((seen - p * len(after)) ** 2 / (p * len(after))).sum())
+    assert chi2 < 13.8, (seen, p * len(after))  # 2 degrees of freedom, p = 0.001
+    drafts, drafted, kept = counts(llm)
+    assert drafts > 0 and 0 < kept < drafted

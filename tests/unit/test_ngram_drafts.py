@@ -83,13 +83,16 @@ def test_bad_speculative_config_names_the_field(value, field):
         SpeculativeConfig.from_vllm(value)
 
 
-def test_only_plain_greedy_requests_speculate():
+def test_greedy_and_unseeded_sampled_requests_speculate_and_no_others():
     def request(**kw):
         return Request("r", [1, 2, 3], SamplingParams(**kw))
 
     assert speculates(request(temperature=0))
     assert speculates(request(temperature=0, stop=["x"]))  # cut where it ends (processor)
-    for kw in ({"temperature": 0.7}, {"temperature": 0, "logprobs": 2},
+    assert speculates(request(temperature=0, seed=3))
+    assert speculates(request(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))
+    for kw in ({"temperature": 0.7, "seed": 3}, {"temperature": 0.7, "logprobs": 2},
+               {"temperature": 0, "logprobs": 2},
                {"temperature": 0, "logit_bias": {5: 1.0}},
                {"temperature": 0, "repetition_penalty": 1.2},
                {"temperature": 0, "presence_penalty": 0.5},

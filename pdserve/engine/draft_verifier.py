@@ -1,0 +1,112 @@
+"""Checking a step's drafts (ngram_drafts.py) against the model's logits.
+
+A greedy sequence keeps its drafts up to the first that is not the argmax before it, and takes
+the argmax after the last kept one: the tokens of decoding one token at a time.
+
+A sampled sequence (temperature > 0, no seed) keeps them by rejection sampling, so its tokens
+follow the distribution of sampling one token at a time. A prompt-lookup draft proposes one
+token with certainty, so a draft d at a position whose sampling distribution is p is kept with
+probability p(d); the first refused draft is replaced by a draw from p without d (renormalized),
+and when every draft is kept the token after them is drawn from the distribution there. p is
+what the sampler draws from: temperature, then min_p, top_k and top_p (sampler.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine.sampler import Sampler, draw_tokens, sampling_probs
+from pdserve.engine.step_records import ScheduledChunk
+
+_SAMPLING_EPS = 1e-5
+
+
+def verify_drafts(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
+                  sampler: Sampler) -> list[tuple[list[int], int]]:
+    """logits: (sum of 1 + drafts, V'), each chunk's rows in order: its last known token's row,
+    then one row per draft. Returns, per chunk, the drafts kept and the token that follows
+    them. Unseeded sampled rows draw from the sampler's engine generator."""
+    logits = logits[:, :sampler.vocab_size]  # (R, V)
+    firsts, greedy_rows, sampled_rows = [], [], []
+    row = 0
+    for chunk in chunks:
+        firsts.append(row)
+        n = len(chunk.draft_token_ids) + 1
+        is_greedy = chunk.request.sampling_params.temperature < _SAMPLING_EPS
+        (greedy_rows if is_greedy else sampled_rows).extend(range(row, row + n))
+        row += n
+    results: list[tuple[list[int], int] | None] = [None] * len(chunks)
+    if greedy_rows:
+        best = dict(zip(greedy_rows, _rows(logits, greedy_rows).argmax(dim=-1).tolist()))
+        for i, chunk in enumerate(chunks):
+            if firsts[i] in best:
+                choices = [best[firsts[i] + j] for j in range(len(chunk.draft_token_ids) + 1)]
+                results[i] = _keep_equal(chunk.draft_token_ids, choices)
+    if sampled_rows:
+        picked = [(i, c) for i, c in enumerate(chunks) if results[i] is None]
+        tokens = _rejection_sample([c for _, c in picked], _rows(logits, sampled_rows),
+                                   sampler.generator(logits.device))
+        for (i, _), result in zip(picked, tokens):
+            results[i] = result
+    return results  # type: ignore[return-value]
+
+
+def _keep_equal(drafts: list[int], choices: list[int]) -> tuple[list[int], int]:
+    """Drafts up to the first that differs from the choice at its place, and the choice after."""
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == choices[kept]:
+        kept += 1
+    return drafts[:kept], choices[kept]
+
+
+def _rejection_sample(chunks: list[ScheduledChunk], logits: torch.Tensor,
+                      generator: torch.Generator) -> list[tuple[list[int], int]]:
+    """Sampled chunks, logits (R, V): their rows in order, as verify_drafts'."""
+    params = [c.request.sampling_params for c in chunks for _ in range(len(c.draft_token_ids) + 1)]
+    probs = sampling_probs(logits.to(torch.float32), params)  # (R, V)
+    draft_rows, draft_ids, firsts = [], [], []
+    row = 0
+    for chunk in chunks:
+        firsts.append(row)
+        draft_rows.extend(range(row, row + len(chunk.draft_token_ids)))
+        draft_ids.extend(chunk.draft_token_ids)
+        row += len(chunk.draft_token_ids) + 1
+    device = probs.device
+    rows_t = torch.tensor(draft_rows, dtype=torch.long, device=device)
+    ids_t = torch.tensor(draft_ids, dtype=torch.long, device=device)
+    chance = probs[rows_t, ids_t]  # (D,) each draft's probability where it stands
+    uniform = torch.rand(len(draft_rows), dtype=probs.dtype, device=device, generator=generator)
+    keeps = (uniform < chance).tolist()  # (D,)
+    kept_counts, final_rows, removed = [], [], []
+    d = 0
+    for chunk, first in zip(chunks, firsts):
+        k = len(chunk.draft_token_ids)
+        kept = 0
+        while kept < k and keeps[d + kept]:
+            kept += 1
+        d += k
+        kept_counts.append(kept)
+        final_rows.append(first + kept)
+        removed.append(chunk.draft_token_ids[kept] if kept < k else -1)
+    final = probs[torch.tensor(final_rows, dtype=torch.long, device=device)]  # (C, V)
+    refused = [j for j, t in enumerate(removed) if t >= 0]
+    if refused:
+        at = torch.tensor(refused, dtype=torch.long, device=device)
+        residual = final[at].index_put_(
+            (torch.arange(len(refused), device=device),
+             torch.tensor([removed[j] for j in refused], dtype=torch.long, device=device)),
+            torch.zeros((), dtype=final.dtype, device=device))  # (r, V) p without the draft
+        # a refusal of a draft holding all the mass leaves nothing: keep p as it was
+        empty = residual.sum(dim=-1, keepdim=True) <= 0  # (r, 1)
+        final[at] = torch.where(empty, final[at], residual)
+    drawn = draw_tokens(final, [c.request for c in chunks], generator).tolist()  # (C,)
+    return [(chunk.draft_token_ids[:kept], token)
+            for chunk, kept, token in zip(chunks, kept_counts, drawn)]
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if len(rows) == logits.shape[0]:
+        return logits
+    return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]

@@ -1,0 +1,72 @@
+"""Drafts checked against logits (engine/draft_verifier.py): greedy rows keep the drafts the
+argmax agrees with; sampled rows keep them by rejection sampling, whose tokens follow the
+distribution of sampling one token at a time (checked against the exact probabilities)."""
+
+import torch
+
+from pdserve.engine.draft_verifier import verify_drafts
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.step_records import ScheduledChunk
+from pdserve.sampling_params import SamplingParams
+
+VOCAB = 6
+
+
+def chunk(drafts, **params):
+    request = Request("r", [1, 2, 3], SamplingParams(**params))
+    return ScheduledChunk(request, 2, 1 + len(drafts), [0], list(drafts))
+
+
+def reference_probs(logits, temperature, top_k):
+    """Softmax of logits / temperature over the top_k tokens of each row: (R, V)."""
+    keep = logits >= logits.topk(top_k, dim=-1).values[:, -1:]
+    return (logits / temperature).masked_fill(~keep, float("-inf")).softmax(dim=-1)
+
+
+def test_greedy_rows_keep_the_drafts_the_argmax_agrees_with():
+    logits = torch.full((6, VOCAB + 2), -1.0)  # the two padding columns are never chosen
+    logits[:, VOCAB:] = 9.0
+    for row, best in enumerate([3, 4, 0, 2, 5, 1]):
+        logits[row, best] = 5.0
+    chunks = [chunk([3, 1], temperature=0), chunk([2, 5], temperature=0)]
+    # first chunk: draft 3 agrees with row 0, draft 1 not with row 1's 4, so 4 follows
+    # second chunk (rows 3-5): both drafts agree, and row 5's argmax 1 follows them
+    assert verify_drafts(chunks, logits, Sampler(VOCAB)) == [([3], 4), ([2, 5], 1)]
+
+
+def test_sampled_rows_follow_one_token_at_a_time():
+    """Chunks with two drafts each at temperature 0.8 and top_k 4: the first token drawn
+    follows p0; given it is the first draft, the second follows p1; given both drafts, the
+    third follows p2 (p0..p2 the rows' exact distributions). A greedy chunk in the same call
+    keeps its argmax result."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(3, VOCAB, generator=gen) * 1.5  # (3, V): one chunk's three rows
+    rows[0, 2] += 1.5  # the first draft (2) is likely but not certain
+    rows[1, 4] += 1.0
+    drafts, n = [2, 4], 24000
+    probs = reference_probs(rows, 0.8, 4)  # (3, V)
+    sampled = [chunk(drafts, temperature=0.8, top_k=4) for _ in range(n)]
+    greedy = chunk([int(rows[0].argmax())], temperature=0)
+    logits = torch.cat([rows.repeat(n, 1), rows[:2]])  # (3n + 2, V)
+    results = verify_drafts(sampled + [greedy], logits, Sampler(VOCAB, seed=5))
+    assert results[-1] == ([int(rows[0].argmax())], int(rows[1].argmax()))
+    emitted = [kept + [token] for kept, token in results[:-1]]
+    assert all(len(e) == len(kept) + 1 and kept == drafts[:len(kept)]
+               for e, (kept, _) in zip(emitted, results))
+    for depth in range(3):  # the token at `depth`, among outputs that kept the drafts before
+        picks = [e[depth] for e in emitted if e[:depth] == drafts[:depth]]
+        counts = torch.bincount(torch.tensor(picks), minlength=VOCAB).double()
+        expected = probs[depth].double() * len(picks)
+        assert counts[expected == 0].sum() == 0  # nothing outside the top 4
+        live = expected > 0
+        chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+        assert len(picks) > 1000 and chi2 < 16.3, (depth, counts, expected)  # 3 dof, p=0.001
+
+
+def test_a_draft_outside_top_k_is_always_refused_and_never_drawn():
+    rows = torch.tensor([[4.0, 3.0, 2.0, -5.0, 1.0, 0.0]] * 2)
+    results = verify_drafts([chunk([3], temperature=1.0, top_k=2) for _ in range(500)],
+                            rows.repeat(500, 1), Sampler(VOCAB))
+    assert {kept == [] for kept, _ in results} == {True}
+    assert {token for _, token in results} == {0, 1}
