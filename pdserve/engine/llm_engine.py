@@ -196,10 +196,11 @@ class LLMEngine:
             max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
             for c in sched.chunks)
         result = self.runner.execute(sched)
-        before = self.scheduler.num_output_tokens
+        before = self.scheduler.num_output_tokens - self.output_processor.num_dropped_tokens
         touched = self.scheduler.update(sched, result)
-        self.num_generation_tokens += self.scheduler.num_output_tokens - before
         stopped = self.output_processor.process(touched, result)
+        self.num_generation_tokens += (self.scheduler.num_output_tokens
+                                       - self.output_processor.num_dropped_tokens - before)
         self.scheduler.finish_requests([r.request_id for r in stopped],
                                        RequestStatus.FINISHED_STOPPED)
         return self.output_processor.make_outputs(touched)

@@ -58,6 +58,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, SequenceState]] = {}
+        # Tokens dropped after a stop string completed inside kept drafts (_detokenize).
+        self.num_dropped_tokens = 0
 
     def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
         params = children[0].sampling_params if len(children) == 1 else None
@@ -120,8 +122,7 @@ class OutputProcessor:
                 seq.cumulative_logprob += sample.logprobs[sample.token_id][0]
         return stopped
 
-    @staticmethod
-    def _detokenize(seq: SequenceState, request: Request) -> str | None:
+    def _detokenize(self, seq: SequenceState, request: Request) -> str | None:
         """Give the detokenizer the request's new output tokens (kept drafts, then the sampled
         one: ngram_drafts.py), one at a time; returns the stop string found. A stop string
         ends the output at the token that completes it: the tokens after it are dropped, as
@@ -135,6 +136,7 @@ class OutputProcessor:
                                           stop_terminated=ended_by_token and n == total)
             if stop is not None and n < total:
                 del request.output_token_ids[n:]
+                self.num_dropped_tokens += total - n
                 seq.num_tokens_seen = n
                 if request.is_finished:  # by a later token: the stop string came first
                     request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
