@@ -1,7 +1,8 @@
 """One system's offline run, for vs_vllm.py: the same script drives pdserve and vLLM's CPU build
 (`--engine pdserve|vllm`), through the same `LLM` / `SamplingParams` API.
 
-Workloads (random token ids from [100, vocab), fixed seed, greedy, `ignore_eos`):
+Workloads (random token ids from [100, vocab), fixed seed, greedy unless `--temperature`,
+`ignore_eos`):
 - `offline`: `--num-requests` prompts of 32-512 tokens, outputs of 16-256 tokens.
 - `decode`: 64 prompts of 64 tokens, 128 tokens each (decode-heavy).
 - `prefill`: cold prefill, 3 prompts of 2,000 tokens, one at a time, 1 output token each
@@ -58,6 +59,9 @@ def main() -> None:
     p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                    help="vLLM's speculative_config for both systems, e.g. "
                         '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the timed requests' temperature (0: greedy); sampled runs draw from "
+                        "each system's generator seeded with --seed")
     args = p.parse_args()
     spec = {"speculative_config": args.speculative_config} if args.speculative_config else {}
     if args.engine == "vllm":
@@ -75,7 +79,8 @@ def main() -> None:
     else:
         reqs = workload(args.workload, args.num_requests or 48, len(tokenizer), args.seed)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True)
+              for _, n in reqs]
     # random ids of another seed: no prefix block in common with the timed prompts
     warm = [{"prompt_token_ids": ids} for ids, _ in
             workload("offline", 2, len(tokenizer), args.seed + 1)]

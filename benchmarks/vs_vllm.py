@@ -8,7 +8,8 @@ serving and decode-heavy workloads, their ratios, and a plot.
   Face directory (`--hf-dir`), which both systems load (vLLM's CPU build reads no GGUF).
 - Offline (random tokens, and `offline_throughput.py`'s text workload: `text`; each also
   with vLLM's n-gram speculative decoding in both systems: `offline-ngram`, `text-ngram`,
-  `--speculative-config`), decode-heavy and cold prefill: `offline_worker.py` in each system's own Python, the same script and
+  `--speculative-config`; the text workload sampled at temperature 0.7 in both systems, each
+  seeded with the run's seed: `text-sampled`, `text-sampled-ngram`), decode-heavy and cold prefill: `offline_worker.py` in each system's own Python, the same script and
   `LLM.generate` call (pdserve then vLLM, then vLLM then pdserve, and so on: `--rounds`;
   `--workloads` picks which); tokens per second and per CPU-second; for cold prefill, seconds
   per 2,000-token prompt. A ratio needs both systems to have run the same requests.
@@ -32,7 +33,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WORKLOADS = ("offline", "text", "decode", "prefill", "offline-ngram", "text-ngram")
+WORKLOADS = ("offline", "text", "decode", "prefill", "offline-ngram", "text-ngram",
+             "text-sampled", "text-sampled-ngram")
+SAMPLED_TEMPERATURE = "0.7"  # the -sampled workloads' temperature, in both systems
 # vLLM's n-gram speculative decoding, given to both systems in the `-ngram` workloads
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
          '"prompt_lookup_max": 4}')
@@ -87,9 +90,11 @@ def decode_ceiling(hf_dir: Path, rows: int = 64, reps: int = 5) -> float:
 def offline(python: str, engine: str, hf_dir: Path, workload: str, n: int | None,
             speculative_config: str = NGRAM) -> dict:
     base, drafts = workload.removesuffix("-ngram"), workload.endswith("-ngram")
+    base, sampled = base.removesuffix("-sampled"), base.endswith("-sampled")
     cmd = [python, str(HERE / "offline_worker.py"), "--engine", engine, "--model", str(hf_dir),
            "--workload", base] + (["--num-requests", str(n)] if n else []) + (
-           ["--speculative-config", speculative_config] if drafts else [])
+           ["--speculative-config", speculative_config] if drafts else []) + (
+           ["--temperature", SAMPLED_TEMPERATURE] if sampled else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         return {"error": out.stderr[-2000:]}
@@ -131,7 +136,7 @@ def _same_requests(report: dict, workload: str) -> bool:
 
 def ratios(report: dict) -> dict:
     out: dict = {}
-    for workload in ("offline", "text", "decode", "offline-ngram", "text-ngram"):
+    for workload in (w for w in WORKLOADS if w != "prefill"):
         if not _same_requests(report, workload):
             continue
         for metric in ("tok_per_s", "tok_per_cpu_s"):
