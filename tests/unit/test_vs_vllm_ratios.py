@@ -45,16 +45,21 @@ def test_best_against_best_for_throughput_and_cold_prefill(vs_vllm):
     assert not any(k.startswith("serving") for k in r)
 
 
-def test_drafted_workloads_have_their_own_ratios(vs_vllm):
-    """Runs with n-gram speculative decoding in both systems are compared with each other
-    only, never with runs without it."""
+def test_drafted_and_sampled_workloads_have_their_own_ratios(vs_vllm):
+    """Runs with n-gram speculative decoding or sampling in both systems are compared with
+    runs of the same kind only."""
     report = {"offline": [_run("pdserve", 400, 200), _run("vllm", 300, 150)],
               "offline-ngram": [_run("pdserve", 500, 250), _run("vllm", 350, 170)],
+              "text-sampled": [_run("pdserve", 420, 220), _run("vllm", 200, 100)],
+              "text-sampled-ngram": [_run("pdserve", 450, 230), _run("vllm", 150, 80)],
               "serving": {}}
     r = vs_vllm.ratios(report)
     assert r["offline_tok_per_s"] == pytest.approx(400 / 300)
     assert r["offline-ngram_tok_per_s"] == pytest.approx(500 / 350)
     assert r["offline-ngram_tok_per_cpu_s"] == pytest.approx(250 / 170)
+    assert r["text-sampled_tok_per_s"] == pytest.approx(420 / 200)
+    assert r["text-sampled-ngram_tok_per_cpu_s"] == pytest.approx(230 / 80)
+    assert "text_tok_per_s" not in r
 
 
 def test_serving_ratios_and_failed_runs_left_out(vs_vllm):
