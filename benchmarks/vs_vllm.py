@@ -9,8 +9,9 @@ serving and decode-heavy workloads, their ratios, and a plot.
 - Offline (random tokens, and `offline_throughput.py`'s text workload: `text`; each also
   with vLLM's n-gram speculative decoding in both systems: `offline-ngram`, `text-ngram`,
   `--speculative-config`; the text workload sampled at temperature 0.7 in both systems, each
-  seeded with the run's seed: `text-sampled`, `text-sampled-ngram`), decode-heavy and cold prefill: `offline_worker.py` in each system's own Python, the same script and
-  `LLM.generate` call (pdserve then vLLM, then vLLM then pdserve, and so on: `--rounds`;
+  seeded with the run's seed: `text-sampled`, `text-sampled-ngram`), decode-heavy and cold
+  prefill: `offline_worker.py` in each system's own Python, the same script and `LLM.generate`
+  call (pdserve then vLLM, then vLLM then pdserve, and so on: `--rounds`;
   `--workloads` picks which); tokens per second and per CPU-second; for cold prefill, seconds
   per 2,000-token prompt. A ratio needs both systems to have run the same requests.
 - Decode ceiling: the time of one decode step's matrix products at 64 rows (every layer's

@@ -48,12 +48,13 @@ def test_sampled_rows_follow_one_token_at_a_time():
     probs = reference_probs(rows, 0.8, 4)  # (3, V)
     sampled = [chunk(drafts, temperature=0.8, top_k=4) for _ in range(n)]
     greedy = chunk([int(rows[0].argmax())], temperature=0)
-    logits = torch.cat([rows.repeat(n, 1), rows[:2]])  # (3n + 2, V)
-    results = verify_drafts(sampled + [greedy], logits, Sampler(VOCAB, seed=5))
-    assert results[-1] == ([int(rows[0].argmax())], int(rows[1].argmax()))
-    emitted = [kept + [token] for kept, token in results[:-1]]
-    assert all(len(e) == len(kept) + 1 and kept == drafts[:len(kept)]
-               for e, (kept, _) in zip(emitted, results))
+    half = n // 2  # the greedy chunk between sampled ones: (3 half + 2 + 3 (n - half), V)
+    logits = torch.cat([rows.repeat(half, 1), rows[:2], rows.repeat(n - half, 1)])
+    results = verify_drafts(sampled[:half] + [greedy] + sampled[half:], logits,
+                            Sampler(VOCAB, seed=5))
+    assert results.pop(half) == ([int(rows[0].argmax())], int(rows[1].argmax()))
+    emitted = [kept + [token] for kept, token in results]
+    assert all(kept == drafts[:len(kept)] for kept, _ in results)
     for depth in range(3):  # the token at `depth`, among outputs that kept the drafts before
         picks = [e[depth] for e in emitted if e[:depth] == drafts[:depth]]
         counts = torch.bincount(torch.tensor(picks), minlength=VOCAB).double()
