@@ -87,10 +87,9 @@ class LLMEngine:
                                               config.cache.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        # Tokens computed so far: prompt tokens (prefill, recomputation included) and tokens
-        # sampled; servers log their rates (engine_loop's StatsLogger).
+        # Prompt tokens computed so far (prefill, recomputation included); with
+        # num_generation_tokens, servers log their rates (engine_loop's StatsLogger).
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         logger.info("KV cache: %s", self.kv_cache_summary())
 
     def _dtype_device(self) -> str:
@@ -196,14 +195,17 @@ class LLMEngine:
             max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
             for c in sched.chunks)
         result = self.runner.execute(sched)
-        before = self.scheduler.num_output_tokens - self.output_processor.num_dropped_tokens
         touched = self.scheduler.update(sched, result)
         stopped = self.output_processor.process(touched, result)
-        self.num_generation_tokens += (self.scheduler.num_output_tokens
-                                       - self.output_processor.num_dropped_tokens - before)
         self.scheduler.finish_requests([r.request_id for r in stopped],
                                        RequestStatus.FINISHED_STOPPED)
         return self.output_processor.make_outputs(touched)
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """Output tokens generated so far: those the scheduler appended, less those dropped
+        after a stop string completed inside kept drafts (output_processor.py)."""
+        return self.scheduler.num_output_tokens - self.output_processor.num_dropped_tokens
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished prefill kept for a remote decode (see kv_lease_s)."""
