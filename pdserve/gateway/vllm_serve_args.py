@@ -1,11 +1,13 @@
 """`vllm serve`'s HTTP-server flags on `pdserve serve`: those with a meaning here do what they
-do in vLLM (uvicorn's log level, root path and TLS; CORS), those that change nothing here are
-accepted with one log line saying why, and those asking for what pdserve does not do are a
-ValueError naming the flag."""
+do in vLLM (uvicorn's log level, root path and TLS; CORS; extra ASGI middleware), those that
+change nothing here are accepted with one log line saying why, and those asking for what
+pdserve does not do are a ValueError naming the flag."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import logging
 from typing import Any
@@ -62,17 +64,17 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="logprobs name tokens \"token_id:<id>\" instead of their text (a "
                              "request's return_tokens_as_token_ids wins)")
-    parser.add_argument("--middleware", action="append", default=[],
-                        help="not supported: pdserve imports no code named on its command line")
+    parser.add_argument("--middleware", action="append", default=[], metavar="MODULE.NAME",
+                        help="extra ASGI middleware, by import path (repeatable): a class is "
+                             "added with app.add_middleware, an async function (request, "
+                             "call_next) as an HTTP middleware; the last given runs first, "
+                             "before the API-key check, as in vLLM")
 
 
 def check_vllm_serve_args(args: argparse.Namespace) -> None:
     """ValueError naming a flag pdserve cannot honour; one log line per accepted no-op."""
     if not args.response_role or len(args.response_role) > 64:
         raise ValueError(f"--response-role: expected a role name, got {args.response_role!r}")
-    if args.middleware:
-        raise ValueError("--middleware: not supported (pdserve imports no code named on its "
-                         "command line; put a proxy in front instead)")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile: give both, or neither")
     if args.ssl_cert_reqs and not args.ssl_ca_certs:
@@ -81,6 +83,35 @@ def check_vllm_serve_args(args: argparse.Namespace) -> None:
     for name, why in _NO_OPS.items():
         if getattr(args, name):
             logger.info("--%s changes nothing here: %s", name.replace("_", "-"), why)
+
+
+def load_middleware(paths: list[str]) -> list[Any]:
+    """The objects `--middleware` names ("package.module.Name"), imported now so that a wrong
+    path stops the server before it loads a model; ValueError naming the flag and the path."""
+    loaded = []
+    for path in paths:
+        module_name, _, name = path.rpartition(".")
+        if not module_name or not name:
+            raise ValueError(f"--middleware: expected an import path 'module.Name', got {path!r}")
+        try:
+            obj = getattr(importlib.import_module(module_name), name)
+        except Exception as e:  # noqa: BLE001 - the operator's module may raise anything
+            raise ValueError(f"--middleware {path}: cannot import it: "
+                             f"{type(e).__name__}: {e}") from e
+        if not (inspect.isclass(obj) or inspect.iscoroutinefunction(obj)):
+            raise ValueError(f"--middleware {path}: expected an ASGI middleware class or an "
+                             f"async function (request, call_next), got {type(obj).__name__}")
+        loaded.append(obj)
+    return loaded
+
+
+def add_middleware(app, middleware: list[Any]) -> None:
+    """Wrap `app` in `middleware` (from `load_middleware`), in order: the last is outermost."""
+    for obj in middleware:
+        if inspect.isclass(obj):
+            app.add_middleware(obj)
+        else:
+            app.middleware("http")(obj)
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """`pdserve serve` takes vLLM's flags and a positional model, parsed by the real parser; the
 app it builds (a local engine on the tiny model) reports --served-model-name and honours
---chat-template and --max-logprobs."""
+--chat-template, --max-logprobs and --middleware."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ from pdserve.gateway.server import build_serve_app, serve_engine_args
 from pdserve.models.loader import DEFAULT_MODEL
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+MIDDLEWARE = """
+async def mark(request, call_next):
+    response = await call_next(request)
+    response.headers["x-operator"] = "marked"
+    return response
+"""
 VLLM_FLAGS = ["--enforce-eager", "--trust-remote-code", "--max-logprobs", "7",
               "--served-model-name", "foo", "--tensor-parallel-size", "1"]
 
@@ -45,15 +51,24 @@ def test_unsupported_flag_values_are_errors(tiny_model_dir):
     args = parse(str(tiny_model_dir), "--tensor-parallel-size", "2")
     with pytest.raises(ValueError, match="^tensor_parallel_size"):
         build_serve_app(args)
+    args = parse(str(tiny_model_dir), "--middleware", "no_such_module_for_pdserve.Middleware")
+    with pytest.raises(ValueError, match="^--middleware"):
+        build_serve_app(args)
 
 
-def test_served_model_name_chat_template_and_max_logprobs(tiny_model_dir, tmp_path):
+def test_served_model_name_chat_template_max_logprobs_and_middleware(tiny_model_dir, tmp_path,
+                                                                    monkeypatch):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
+    (tmp_path / "operator_middleware.py").write_text(MIDDLEWARE)
+    monkeypatch.syspath_prepend(str(tmp_path))
     args = parse(str(tiny_model_dir), *VLLM_FLAGS, "--chat-template", str(template),
-                 "--kv-cache-memory-bytes", str(4 << 20))
+                 "--kv-cache-memory-bytes", str(4 << 20),
+                 "--middleware", "operator_middleware.mark")
     with TestClient(build_serve_app(args)) as client:
-        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["foo"]
+        models = client.get("/v1/models")
+        assert [m["id"] for m in models.json()["data"]] == ["foo"]
+        assert models.headers["x-operator"] == "marked"
         chat = {"model": "foo", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 1}
         r = client.post("/v1/chat/completions", json=chat)

@@ -13,7 +13,8 @@ from pdserve.cli import build_parser
 from pdserve.engine import vllm_args
 from pdserve.gateway.app import build_app
 from pdserve.gateway.server import gateway_api_keys, serve_engine_args
-from pdserve.gateway.vllm_serve_args import add_cors, check_vllm_serve_args, uvicorn_options
+from pdserve.gateway.vllm_serve_args import (add_cors, add_middleware, check_vllm_serve_args,
+                                             load_middleware, uvicorn_options)
 from pdserve.vllm_argv import normalize_argv
 
 
@@ -71,7 +72,6 @@ def test_vllms_api_key_variable_protects_the_api(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, field", [
-    (["--middleware", "my.module.Middleware"], "--middleware"),
     (["--response-role", ""], "--response-role"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile"),
 ])
@@ -114,6 +114,35 @@ def test_cors_only_for_the_origins_named_and_every_served_name_listed():
             listed = c.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
             assert [m["id"] for m in listed["data"]] == ["first", "second"]
             error(c.get("/v1/models"), 401)  # CORS does not open the API
+
+
+def test_middleware_named_on_the_command_line_wraps_the_api_outside_the_key_check():
+    """vLLM's --middleware: a class goes in with add_middleware, an async function as an HTTP
+    middleware; the last named is outermost, and both see the key check's 401."""
+    args = parse("--middleware", "http_middleware.MarkResponses",
+                 "--middleware", "http_middleware.mark_response")
+    app = build_app(FakeBackend(), ["m"], "k", tokenizer=CharTokenizer(), close_backend=False)
+    add_middleware(app, load_middleware(args.middleware))
+    with TestClient(app) as c:
+        for headers, status in (({"Authorization": "Bearer k"}, 200), ({}, 401)):
+            r = c.get("/v1/models", headers=headers)
+            assert r.status_code == status
+            assert r.headers["x-marked-by"] == "class"
+            assert r.headers["x-marked-by-function"] == "class"  # the class ran inside it
+        r = c.post("/v1/completions", headers={"Authorization": "Bearer k"},
+                   json={"model": "m", "prompt": "ab", "max_tokens": 2, "stream": True})
+        assert r.headers["x-marked-by"] == "class" and events(r)  # streams pass through
+
+
+@pytest.mark.parametrize("path, why", [
+    ("Middleware", "expected an import path"),
+    ("no_such_module_for_pdserve.Middleware", "cannot import it: ModuleNotFoundError"),
+    ("http_middleware.Missing", "cannot import it: AttributeError"),
+    ("http_middleware.NOT_MIDDLEWARE", "expected an ASGI middleware class"),
+])
+def test_middleware_that_cannot_be_used_is_refused_naming_the_flag(path, why):
+    with pytest.raises(ValueError, match=f"^--middleware.*{why}"):
+        load_middleware(parse("--middleware", path).middleware)
 
 
 def test_behind_a_root_path_the_api_key_still_guards_the_api():
