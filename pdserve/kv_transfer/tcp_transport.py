@@ -41,6 +41,7 @@ from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.socket_io import recv_exact, recv_into_views, send_views
 from pdserve.kv_transfer.socket_tls import SocketTls
 from pdserve.kv_transfer.transport import KVLayout, KVTransport, plane_bytes, zeroed_kv_cache
+from pdserve.kv_transfer.unresponsive_peers import UnresponsivePeers
 
 MAGIC = b"PDKV"
 OP_HELLO, OP_READ, OP_AUTH = 1, 2, 3
@@ -53,6 +54,7 @@ MAX_PEERS = 64  # producer connections a reader keeps open; the least recently u
 MIN_READ_RATE = 10 << 20  # bytes/s: a slower producer's read fails (on top of timeout_s)
 SEND_CHUNK_BLOCKS = 64  # blocks copied at a time for a reply (bounded staging memory)
 MAX_ERROR_BYTES = 1 << 16  # a producer's refusal is a short message
+UNRESPONSIVE_HOLD_S = 30.0  # after a read from a producer times out, reads from it fail at once
 LEASE = struct.Struct("!HH")  # lengths of the lease id and of its token, in a READ
 
 
@@ -108,6 +110,7 @@ class TcpTransport(KVTransport):
         self._conns_lock = threading.Lock()
         self._stop = threading.Event()
         self._peers: dict[tuple[str, int, str], socket.socket] = {}
+        self._unresponsive = UnresponsivePeers(UNRESPONSIVE_HOLD_S)
 
     def allocate_kv_cache(self, layout: KVLayout, device: str | torch.device = "cpu") -> torch.Tensor:
         if self._kv_cache is not None:
@@ -269,6 +272,18 @@ class TcpTransport(KVTransport):
                 + struct.pack(f"!{len(ids)}I", *ids))
         request = REQ.pack(MAGIC, OP_READ, len(body)) + body
         expected = len(ids) * remote_layout.block_bytes
+        self._unresponsive.check(key, f"producer {key[2]!r} at {key[0]}:{key[1]}")
+        try:
+            self._read_from(key, request, expected, runs)
+        except KVTransferError as e:
+            if isinstance(e.__cause__, TimeoutError):
+                self._unresponsive.mark(key)
+            raise
+
+    def _read_from(self, key: tuple[str, int, str], request: bytes, expected: int,
+                   runs: list[BlockRun]) -> None:
+        """Send one READ and receive its `expected` bytes into `runs`; KVTransferError (its
+        cause the socket's error) if the producer refuses, fails or is too slow."""
         for attempt in (0, 1):
             reused = key in self._peers
             conn = self._connect(key)
@@ -329,6 +344,8 @@ class TcpTransport(KVTransport):
             self._peers[key] = conn  # now the most recently used
             return conn
         host, port, engine_id = key
+        handshake_by = time.monotonic() + self.timeout_s  # the whole handshake, however paced
+        conn = None
         try:
             conn = socket.create_connection((host, port), timeout=self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -336,8 +353,8 @@ class TcpTransport(KVTransport):
                 conn = self.tls.client.wrap_socket(conn, server_hostname=host)
             hello = engine_id.encode()
             conn.sendall(REQ.pack(MAGIC, OP_HELLO, len(hello)) + hello)
-            status, length = REPLY.unpack(recv_exact(conn, REPLY.size))
-            body = recv_exact(conn, min(length, MAX_REQUEST_BYTES))
+            status, length = REPLY.unpack(recv_exact(conn, REPLY.size, handshake_by))
+            body = recv_exact(conn, min(length, MAX_ERROR_BYTES), handshake_by)
             if status == 0 and body:  # a challenge: prove we hold the cluster secret
                 if self._secret is None:
                     conn.close()
@@ -345,13 +362,15 @@ class TcpTransport(KVTransport):
                                           "cluster secret, and this engine has none")
                 proof = _proof(self._secret, body, engine_id)
                 conn.sendall(REQ.pack(MAGIC, OP_AUTH, len(proof)) + proof)
-                status, length = REPLY.unpack(recv_exact(conn, REPLY.size))
-                body = recv_exact(conn, min(length, MAX_REQUEST_BYTES))
+                status, length = REPLY.unpack(recv_exact(conn, REPLY.size, handshake_by))
+                body = recv_exact(conn, min(length, MAX_ERROR_BYTES), handshake_by)
             if status != 0:
                 conn.close()
                 raise KVTransferError(f"tcp handshake with {host}:{port} refused: "
                                       f"{body.decode(errors='replace')}")
         except (OSError, ConnectionError) as e:
+            if conn is not None:
+                conn.close()
             raise KVTransferError(f"cannot reach producer {engine_id!r} at {host}:{port}: "
                                   f"{type(e).__name__}: {e}") from e
         while len(self._peers) >= MAX_PEERS:  # descriptors may name any address

@@ -1,0 +1,53 @@
+"""Producers that let a read time out: further reads from them fail at once, for a while.
+
+An engine reads its KV loads one at a time. A producer that accepts a connection and never
+answers (stopped, swamped, or hostile) would hold each later read naming it for a whole
+timeout, and every other producer's reads queue behind. After one timeout the producer is
+held for `hold_s`: reads naming it fail at once (the scheduler then recomputes the prompt or
+fails the request, as for any failed load), and one read tries it again afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable
+
+from pdserve.kv_transfer.errors import KVTransferError
+
+
+class UnresponsivePeers:
+    """Peers (any hashable key) that timed out, each held until a monotonic time; at most
+    `capacity` are remembered (descriptors may name any address), the oldest forgotten first."""
+
+    def __init__(self, hold_s: float, capacity: int = 256) -> None:
+        self.hold_s = float(hold_s)
+        self.capacity = int(capacity)
+        self._until: dict[Hashable, float] = {}
+        self._lock = threading.Lock()
+
+    def check(self, key: Hashable, name: str) -> None:
+        """KVTransferError naming `name` while `key` is held; nothing otherwise."""
+        with self._lock:
+            until = self._until.get(key)
+            if until is None:
+                return
+            left = until - time.monotonic()
+            if left <= 0:
+                del self._until[key]
+                return
+        raise KVTransferError(f"{name} timed out on an earlier read: reads from it fail at "
+                              f"once for {left:.1f} s more")
+
+    def mark(self, key: Hashable) -> None:
+        """Hold `key` for hold_s from now."""
+        with self._lock:
+            self._until.pop(key, None)
+            while len(self._until) >= self.capacity:
+                del self._until[next(iter(self._until))]
+            self._until[key] = time.monotonic() + self.hold_s
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            until = self._until.get(key)
+        return until is not None and until > time.monotonic()
