@@ -47,21 +47,38 @@ def chosen(kind: str) -> list[str]:
     return done.stdout.splitlines()
 
 
-def dry_run(*args: str) -> dict[str, dict]:
-    """`pip install --dry-run ARGS`: the metadata of each distribution pip would install."""
+def start_dry_run(*args: str) -> subprocess.Popen:
+    """`pip install --dry-run ARGS`, started; `report` waits for it."""
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
            "--disable-pip-version-check", "--report", "-", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {i["metadata"]["name"].lower(): i["metadata"]
-            for i in json.loads(done.stdout)["install"]}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_cpu_choice_resolves_the_cpu_build():
-    args = chosen("cpu")
-    if args[0] == "--index-url":  # torch from PyTorch's CPU index, the rest from the default
-        args = ["--extra-index-url", *args[1:]]
-    got = dry_run("--ignore-installed", *args, *PDSERVE_REQS)
+def report(proc: subprocess.Popen) -> dict[str, dict]:
+    """The metadata of each distribution the dry run would install."""
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return {i["metadata"]["name"].lower(): i["metadata"] for i in json.loads(out)["install"]}
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """Both choices' dry runs, side by side (each mostly waits on PyPI for 20-30 s)."""
+    cpu = chosen("cpu")
+    if cpu[0] == "--index-url":  # torch from PyTorch's CPU index, the rest from the default
+        cpu = ["--extra-index-url", *cpu[1:]]
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    started = {
+        "cpu": start_dry_run("--ignore-installed", *cpu, *PDSERVE_REQS),
+        "gpu": start_dry_run("--only-binary=:all:", *LINUX_X86_64, "--python-version", python,
+                             "--target", str(tmp_path_factory.mktemp("target")),
+                             *chosen("gpu"), *PDSERVE_REQS),
+    }
+    return {kind: report(proc) for kind, proc in started.items()}
+
+
+def test_cpu_choice_resolves_the_cpu_build(resolved):
+    got = resolved["cpu"]
     torch = got["torch"]
     assert not choose_torch.is_cuda_build(torch["version"], torch.get("requires_dist") or [])
     assert not [name for name in got if name.startswith("nvidia-")]
@@ -69,11 +86,8 @@ def test_cpu_choice_resolves_the_cpu_build():
         assert "triton" in got  # the Triton interpreter tests' (any version)
 
 
-def test_cuda_choice_resolves_the_cuda_build_and_its_triton(tmp_path):
-    args = chosen("gpu")
-    python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    got = dry_run("--only-binary=:all:", *LINUX_X86_64, "--python-version", python,
-                  "--target", str(tmp_path), *args, *PDSERVE_REQS)
+def test_cuda_choice_resolves_the_cuda_build_and_its_triton(resolved):
+    got = resolved["gpu"]
     torch = got["torch"]
     requires = torch.get("requires_dist") or []
     assert choose_torch.is_cuda_build(torch["version"], requires), torch["version"]
