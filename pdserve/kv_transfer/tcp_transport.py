@@ -5,17 +5,7 @@ default) answers "send blocks [ids]" with the raw bytes. Consumer: one cached co
 producer; it receives straight into its own cache's block ranges (recvmsg_into), so a CPU cache
 sees no intermediate copy.
 
-Wire format (big-endian). Request: "!4sBI" (b"PDKV", op, payload_len) + payload;
-  op HELLO=1: payload = producer engine_id (utf-8), checked once per connection; the reply's
-    payload is a 32-byte challenge when the producer has a cluster secret, else empty;
-  op AUTH=3: payload = HMAC-SHA256(cluster secret, challenge + engine_id); until it matches
-    (compared in constant time), a producer with a secret serves no READ;
-  op READ=2: payload = "!HH" (lease id length, token length), the lease id and its token
-    (utf-8), then n uint32 block ids. Served only if the token is the live grant of that
-    lease and the ids are all in it (KVTransport.grant): no lease, no bytes.
-Reply: "!BQ" (status 0=ok/1=error, payload_len) + payload (error: utf-8 message).
-READ payload order: for plane p in 0..layers*2-1 (p = layer*2 + k/v), for each id in request
-order, that block's chunk of that plane.
+The wire format and the reader's handshake are in tcp_wire.py.
 
 With `tls` (socket_tls.SocketTls) every connection is mutual TLS: the producer accepts only
 readers presenting a certificate of the cluster's CA, and readers check the producer's.
@@ -25,7 +15,6 @@ Descriptor extra keys: {"host": str, "port": int}.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 import socket
@@ -40,41 +29,17 @@ from pdserve.kv_transfer.block_runs import BlockRun, check_block_ids
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.socket_io import recv_exact, recv_into_views, send_views
 from pdserve.kv_transfer.socket_tls import SocketTls
+from pdserve.kv_transfer.tcp_wire import (LEASE, MAGIC, MAX_ERROR_BYTES, MAX_HANDSHAKE_BYTES,
+                                          MAX_REQUEST_BYTES, OP_AUTH, OP_HELLO, OP_READ, REPLY,
+                                          REQ, parse_read, proof, reader_handshake)
 from pdserve.kv_transfer.transport import KVLayout, KVTransport, plane_bytes, zeroed_kv_cache
 from pdserve.kv_transfer.unresponsive_peers import UnresponsivePeers
 
-MAGIC = b"PDKV"
-OP_HELLO, OP_READ, OP_AUTH = 1, 2, 3
-REQ = struct.Struct("!4sBI")
-REPLY = struct.Struct("!BQ")
-MAX_REQUEST_BYTES = 1 << 24
-MAX_HANDSHAKE_BYTES = 256  # HELLO and AUTH frames: read before the peer is known
 MAX_CONNECTIONS = 256  # accepted at once; more are closed at once
 MAX_PEERS = 64  # producer connections a reader keeps open; the least recently used closes
 MIN_READ_RATE = 10 << 20  # bytes/s: a slower producer's read fails (on top of timeout_s)
 SEND_CHUNK_BLOCKS = 64  # blocks copied at a time for a reply (bounded staging memory)
-MAX_ERROR_BYTES = 1 << 16  # a producer's refusal is a short message
 UNRESPONSIVE_HOLD_S = 30.0  # after a read from a producer times out, reads from it fail at once
-LEASE = struct.Struct("!HH")  # lengths of the lease id and of its token, in a READ
-
-
-def _parse_read(op: int, payload: bytes) -> tuple[str, str, list[int]]:
-    """(lease id, token, block ids) of a READ payload; ValueError if it is not one."""
-    if op != OP_READ or len(payload) < LEASE.size:
-        raise ValueError(f"unknown op {op} or malformed payload")
-    id_len, token_len = LEASE.unpack_from(payload)
-    start = LEASE.size + id_len + token_len
-    if start > len(payload) or (len(payload) - start) % 4:
-        raise ValueError("malformed READ payload")
-    lease_id = payload[LEASE.size:LEASE.size + id_len].decode(errors="replace")
-    token = payload[LEASE.size + id_len:start].decode(errors="replace")
-    ids = list(struct.unpack(f"!{(len(payload) - start) // 4}I", payload[start:]))
-    return lease_id, token, ids
-
-
-def _proof(secret: bytes, challenge: bytes, engine_id: str) -> bytes:
-    """A reader's answer to a producer's challenge: HMAC-SHA256 over it and the engine id."""
-    return hmac.new(secret, challenge + engine_id.encode(), hashlib.sha256).digest()
 
 
 def run_views(cache: torch.Tensor, runs: list[tuple[int, int]]) -> list[memoryview]:
@@ -188,7 +153,7 @@ class TcpTransport(KVTransport):
                     self._hello(conn, payload, challenge)
                 elif op == OP_AUTH:
                     authed = bool(challenge) and hmac.compare_digest(
-                        payload, _proof(self._secret or b"", challenge, self.engine_id))
+                        payload, proof(self._secret or b"", challenge, self.engine_id))
                     if not authed:
                         return self._reply_error(conn, "cluster secret proof refused")
                     conn.sendall(REPLY.pack(0, 0))
@@ -223,7 +188,7 @@ class TcpTransport(KVTransport):
 
     def _handle(self, conn: socket.socket, op: int, payload: bytes) -> None:
         try:
-            lease_id, token, ids = _parse_read(op, payload)
+            lease_id, token, ids = parse_read(op, payload)
             self.check_grant(lease_id, token, ids)
         except (ValueError, KVTransferError) as e:
             return self._reply_error(conn, str(e))
@@ -273,20 +238,21 @@ class TcpTransport(KVTransport):
         request = REQ.pack(MAGIC, OP_READ, len(body)) + body
         expected = len(ids) * remote_layout.block_bytes
         self._unresponsive.check(key, f"producer {key[2]!r} at {key[0]}:{key[1]}")
-        try:
-            self._read_from(key, request, expected, runs)
-        except KVTransferError as e:
-            if isinstance(e.__cause__, TimeoutError):
-                self._unresponsive.mark(key)
-            raise
+        self._read_from(key, request, expected, runs)
 
     def _read_from(self, key: tuple[str, int, str], request: bytes, expected: int,
                    runs: list[BlockRun]) -> None:
-        """Send one READ and receive its `expected` bytes into `runs`; KVTransferError (its
-        cause the socket's error) if the producer refuses, fails or is too slow."""
+        """Send one READ and receive its `expected` bytes into `runs`; KVTransferError if the
+        producer refuses, fails or is too slow. A timeout on a connection opened for this read
+        holds the producer (a cached one may have been dropped on the way, silently)."""
         for attempt in (0, 1):
             reused = key in self._peers
-            conn = self._connect(key)
+            try:
+                conn = self._connect(key)
+            except KVTransferError as e:
+                if isinstance(e.__cause__, TimeoutError):
+                    self._unresponsive.mark(key)
+                raise
             # The whole read ends in time, however the producer paces it (it holds the
             # engine's one read slot meanwhile).
             deadline = time.monotonic() + self.timeout_s + expected / MIN_READ_RATE
@@ -295,10 +261,10 @@ class TcpTransport(KVTransport):
                 conn.sendall(request)
                 status, length = REPLY.unpack(recv_exact(conn, REPLY.size, deadline))
             except (OSError, ConnectionError) as e:
-                self._drop(key)
                 if reused and attempt == 0 and not isinstance(e, TimeoutError):
+                    self._drop(key)
                     continue  # stale cached connection: retry once on a fresh one
-                raise self._error(key, e) from e
+                raise self._failed(key, e, reused) from e
             try:
                 if status != 0 and length > MAX_ERROR_BYTES:
                     self._drop(key)
@@ -313,11 +279,15 @@ class TcpTransport(KVTransport):
                 self._receive_payload(conn, runs, deadline)
                 return
             except (OSError, ConnectionError) as e:
-                self._drop(key)
-                raise self._error(key, e) from e
+                raise self._failed(key, e, reused) from e
 
-    @staticmethod
-    def _error(key: tuple[str, int, str], e: BaseException) -> KVTransferError:
+    def _failed(self, key: tuple[str, int, str], e: BaseException,
+                reused: bool) -> KVTransferError:
+        """Drop the connection to `key` after `e`; hold the producer after a timeout on a
+        fresh connection. The error to raise."""
+        self._drop(key)
+        if isinstance(e, TimeoutError) and not reused:
+            self._unresponsive.mark(key)
         return KVTransferError(f"tcp read from {key[2]!r} at {key[0]}:{key[1]} failed: "
                                f"{type(e).__name__}: {e}")
 
@@ -351,26 +321,13 @@ class TcpTransport(KVTransport):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 conn = self.tls.client.wrap_socket(conn, server_hostname=host)
-            hello = engine_id.encode()
-            conn.sendall(REQ.pack(MAGIC, OP_HELLO, len(hello)) + hello)
-            status, length = REPLY.unpack(recv_exact(conn, REPLY.size, handshake_by))
-            body = recv_exact(conn, min(length, MAX_ERROR_BYTES), handshake_by)
-            if status == 0 and body:  # a challenge: prove we hold the cluster secret
-                if self._secret is None:
-                    conn.close()
-                    raise KVTransferError(f"producer {engine_id!r} at {host}:{port} needs the "
-                                          "cluster secret, and this engine has none")
-                proof = _proof(self._secret, body, engine_id)
-                conn.sendall(REQ.pack(MAGIC, OP_AUTH, len(proof)) + proof)
-                status, length = REPLY.unpack(recv_exact(conn, REPLY.size, handshake_by))
-                body = recv_exact(conn, min(length, MAX_ERROR_BYTES), handshake_by)
-            if status != 0:
-                conn.close()
-                raise KVTransferError(f"tcp handshake with {host}:{port} refused: "
-                                      f"{body.decode(errors='replace')}")
-        except (OSError, ConnectionError) as e:
+            reader_handshake(conn, engine_id, self._secret, handshake_by,
+                             f"producer {engine_id!r} at {host}:{port}")
+        except (OSError, ConnectionError, KVTransferError) as e:
             if conn is not None:
                 conn.close()
+            if isinstance(e, KVTransferError):
+                raise
             raise KVTransferError(f"cannot reach producer {engine_id!r} at {host}:{port}: "
                                   f"{type(e).__name__}: {e}") from e
         while len(self._peers) >= MAX_PEERS:  # descriptors may name any address

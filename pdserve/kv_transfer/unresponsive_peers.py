@@ -2,9 +2,10 @@
 
 An engine reads its KV loads one at a time. A producer that accepts a connection and never
 answers (stopped, swamped, or hostile) would hold each later read naming it for a whole
-timeout, and every other producer's reads queue behind. After one timeout the producer is
-held for `hold_s`: reads naming it fail at once (the scheduler then recomputes the prompt or
-fails the request, as for any failed load), and one read tries it again afterwards.
+timeout, and every other producer's reads queue behind. After a timeout on a connection opened
+for the read, the producer is held for `hold_s`: reads naming it fail at once (the scheduler
+then recomputes the prompt or fails the request, as for any failed load), and one read tries
+it again afterwards.
 """
 
 from __future__ import annotations
@@ -46,8 +47,3 @@ class UnresponsivePeers:
             while len(self._until) >= self.capacity:
                 del self._until[next(iter(self._until))]
             self._until[key] = time.monotonic() + self.hold_s
-
-    def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
-            until = self._until.get(key)
-        return until is not None and until > time.monotonic()
