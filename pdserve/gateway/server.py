@@ -24,9 +24,9 @@ from pdserve.cpu_budget import add_cpu_args
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
 from pdserve.gateway.tool_parsers import TOOL_PARSERS
-from pdserve.gateway.vllm_serve_args import (add_cors, add_middleware, add_vllm_serve_args,
-                                             check_vllm_serve_args, load_middleware,
-                                             uvicorn_options)
+from pdserve.gateway.vllm_serve_args import (add_cors, add_vllm_serve_args,
+                                             check_vllm_serve_args, install_middleware,
+                                             load_middleware, uvicorn_options)
 from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.services.auth import API_KEY_ENV, Credentials, add_credential_args
@@ -172,7 +172,7 @@ def build_serve_app(args: argparse.Namespace):
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                     response_role=args.response_role)
     add_cors(app, args)
-    add_middleware(app, middleware)
+    install_middleware(app, middleware)
     app.state.description = description  # serve_http's startup line
     return app
 

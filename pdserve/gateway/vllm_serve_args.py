@@ -68,7 +68,7 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="extra ASGI middleware, by import path (repeatable): a class is "
                              "added with app.add_middleware, an async function (request, "
                              "call_next) as an HTTP middleware; the last given runs first, "
-                             "before the API-key check, as in vLLM")
+                             "before the API-key check and body limit, as in vLLM")
 
 
 def check_vllm_serve_args(args: argparse.Namespace) -> None:
@@ -105,7 +105,7 @@ def load_middleware(paths: list[str]) -> list[Any]:
     return loaded
 
 
-def add_middleware(app, middleware: list[Any]) -> None:
+def install_middleware(app, middleware: list[Any]) -> None:
     """Wrap `app` in `middleware` (from `load_middleware`), in order: the last is outermost."""
     for obj in middleware:
         if inspect.isclass(obj):

@@ -13,8 +13,9 @@ from pdserve.cli import build_parser
 from pdserve.engine import vllm_args
 from pdserve.gateway.app import build_app
 from pdserve.gateway.server import gateway_api_keys, serve_engine_args
-from pdserve.gateway.vllm_serve_args import (add_cors, add_middleware, check_vllm_serve_args,
-                                             load_middleware, uvicorn_options)
+from pdserve.gateway.vllm_serve_args import (add_cors, check_vllm_serve_args,
+                                             install_middleware, load_middleware,
+                                             uvicorn_options)
 from pdserve.vllm_argv import normalize_argv
 
 
@@ -122,7 +123,7 @@ def test_middleware_named_on_the_command_line_wraps_the_api_outside_the_key_chec
     args = parse("--middleware", "http_middleware.MarkResponses",
                  "--middleware", "http_middleware.mark_response")
     app = build_app(FakeBackend(), ["m"], "k", tokenizer=CharTokenizer(), close_backend=False)
-    add_middleware(app, load_middleware(args.middleware))
+    install_middleware(app, load_middleware(args.middleware))
     with TestClient(app) as c:
         for headers, status in (({"Authorization": "Bearer k"}, 200), ({}, 401)):
             r = c.get("/v1/models", headers=headers)
