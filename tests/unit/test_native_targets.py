@@ -58,7 +58,12 @@ def _start_build(target: str, out_dir: Path, sources) -> tuple[subprocess.Popen,
 
 def _wait(started: tuple[subprocess.Popen, Path]) -> Path:
     proc, out = started
-    log = proc.communicate(timeout=300)[0]
+    try:
+        log = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:  # timed out, or the test is stopping: no compiler left behind
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, log.decode(errors="replace")[-3000:]
     return out
 
@@ -70,7 +75,13 @@ def linear_libs(tmp_path_factory) -> dict[str, Path]:
     out_dir = tmp_path_factory.mktemp("targets")
     started = {t: _start_build(t, out_dir, ("linear.c", "linear_coded.c"))
                for t, (needs, _) in TARGETS.items() if needs <= CPU_FLAGS}
-    return {t: _wait(s) for t, s in started.items()}
+    try:
+        return {t: _wait(s) for t, s in started.items()}
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

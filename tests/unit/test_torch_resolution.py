@@ -56,7 +56,12 @@ def start_dry_run(*args: str) -> subprocess.Popen:
 
 def report(proc: subprocess.Popen) -> dict[str, dict]:
     """The metadata of each distribution the dry run would install."""
-    out, err = proc.communicate(timeout=600)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:  # timed out, or the test is stopping: no pip left behind
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, err[-3000:]
     return {i["metadata"]["name"].lower(): i["metadata"] for i in json.loads(out)["install"]}
 
@@ -64,17 +69,23 @@ def report(proc: subprocess.Popen) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def resolved(tmp_path_factory) -> dict[str, dict[str, dict]]:
     """Both choices' dry runs, side by side (each mostly waits on PyPI for 20-30 s)."""
-    cpu = chosen("cpu")
+    cpu, gpu = chosen("cpu"), chosen("gpu")
     if cpu[0] == "--index-url":  # torch from PyTorch's CPU index, the rest from the default
         cpu = ["--extra-index-url", *cpu[1:]]
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    target = str(tmp_path_factory.mktemp("target"))
     started = {
         "cpu": start_dry_run("--ignore-installed", *cpu, *PDSERVE_REQS),
         "gpu": start_dry_run("--only-binary=:all:", *LINUX_X86_64, "--python-version", python,
-                             "--target", str(tmp_path_factory.mktemp("target")),
-                             *chosen("gpu"), *PDSERVE_REQS),
+                             "--target", target, *gpu, *PDSERVE_REQS),
     }
-    return {kind: report(proc) for kind, proc in started.items()}
+    try:
+        return {kind: report(proc) for kind, proc in started.items()}
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_cpu_choice_resolves_the_cpu_build(resolved):
