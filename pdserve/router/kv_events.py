@@ -6,7 +6,10 @@ instance (first start or restart: its cache is empty). A receiver that sees a ga
 went backwards, has missed something and must resync that instance from a full snapshot.
 
 `to_dict`/`from_dict` give a JSON-able form. Block hashes are ints in [0, 2^63), which JSON
-carries exactly in Python (and in any int64-aware decoder).
+carries exactly in Python (and in any int64-aware decoder). A batch holds at most
+MAX_BATCH_OPS operations (a hash stored or removed, or a clear), so that applying one is a
+bounded piece of work for any index (one Redis script); `KVEventSequencer.batches` splits
+what an engine recorded into as many batches as that takes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStore
 from pdserve.router.wire_names import check_instance_id, check_medium
 
 _HASH_LIMIT = 1 << 63
+MAX_BATCH_OPS = 4096  # hashes stored or removed, and clears, in one batch
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class KVEventBatch:
             raise ValueError(f"seq: must be an int >= 0, got {self.seq!r}")
         check_medium(self.medium)
         object.__setattr__(self, "events", tuple(self.events))
+        check_batch_ops(count_ops(self.events))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +112,54 @@ def check_hashes(values: Any) -> tuple[int, ...]:
     return tuple(check_hash(v, "block_hashes") for v in values)
 
 
+def count_ops(events: Iterable[KVEvent]) -> int:
+    """Hashes stored or removed, plus clears: the work of applying `events`."""
+    return sum(1 if isinstance(e, AllBlocksCleared) else len(e.block_hashes) for e in events)
+
+
+def check_batch_ops(n: int) -> None:
+    """ValueError naming `events` when a batch would hold more than MAX_BATCH_OPS ops."""
+    if n > MAX_BATCH_OPS:
+        raise ValueError(f"events: {n} block hashes and clears in one batch, at most "
+                         f"{MAX_BATCH_OPS} (split it into more batches)")
+
+
+def split_events(events: Iterable[KVEvent], limit: int | None = None) -> list[list[KVEvent]]:
+    """`events` in order, in groups of at most `limit` (MAX_BATCH_OPS) ops, at least one
+    group. A stored or removed run longer than a group's room is cut: each stored part chains
+    from the last hash of the part before it and carries its own blocks' tokens."""
+    limit = limit or MAX_BATCH_OPS
+    groups: list[list[KVEvent]] = [[]]
+    room = limit
+    for event in events:
+        size = count_ops([event])
+        done = 0
+        while True:
+            if room == 0 and size:
+                groups.append([])
+                room = limit
+            take = min(room, size - done)
+            whole = isinstance(event, AllBlocksCleared) or (done == 0 and take == size)
+            groups[-1].append(event if whole else _part(event, done, done + take))
+            room -= take
+            done += take
+            if done == size:
+                break
+    return groups
+
+
+def _part(event: BlockStored | BlockRemoved, start: int, end: int) -> KVEvent:
+    """The hashes [start, end) of a stored or removed event, as an event of its own."""
+    hashes = event.block_hashes[start:end]
+    if isinstance(event, BlockRemoved):
+        return BlockRemoved(hashes)
+    per_block = event.num_tokens // len(event.block_hashes)
+    tokens = (event.num_tokens - per_block * start if end == len(event.block_hashes)
+              else per_block * (end - start))
+    parent = event.parent_hash if start == 0 else event.block_hashes[start - 1]
+    return BlockStored(hashes, parent, tokens)
+
+
 def check_num_tokens(value: int) -> int:
     if value < 0:
         raise ValueError(f"num_tokens: must be >= 0, got {value}")
@@ -122,7 +175,13 @@ class KVEventSequencer:
         self.next_seq = 0
 
     def batch(self, events: Iterable[KVEvent]) -> KVEventBatch:
+        """One batch of `events` (at most MAX_BATCH_OPS ops: ValueError otherwise)."""
         batch = KVEventBatch(self.instance_id, self.next_seq, tuple(events), time.time(),
                              self.medium)
         self.next_seq += 1
         return batch
+
+    def batches(self, events: Iterable[KVEvent]) -> list[KVEventBatch]:
+        """`events` in consecutive batches of at most MAX_BATCH_OPS ops (one if they fit,
+        empty or not)."""
+        return [self.batch(group) for group in split_events(events)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.proto.pdserve.v1 import router_pb2
-from pdserve.router.kv_events import KVEventBatch, check_hash, check_hashes, check_num_tokens
+from pdserve.router.kv_events import (KVEventBatch, check_batch_ops, check_hash, check_hashes,
+                                      check_num_tokens)
 
 
 def event_to_proto(event: KVEvent) -> router_pb2.KVEvent:
@@ -42,7 +43,10 @@ def batch_to_proto(batch: KVEventBatch) -> router_pb2.KVEventBatch:
 
 def batch_from_proto(msg: router_pb2.KVEventBatch) -> KVEventBatch:
     """Raises ValueError naming the field on a malformed batch (block hashes in [0, 2^63),
-    as the JSON form's)."""
+    as the JSON form's; at most MAX_BATCH_OPS of them, counted before any is converted)."""
+    check_batch_ops(sum(1 if e.WhichOneof("kind") == "cleared" else
+                        len(e.stored.block_hashes) + len(e.removed.block_hashes)
+                        for e in msg.events))
     return KVEventBatch(msg.instance_id, msg.seq,
                         tuple(event_from_proto(e) for e in msg.events), msg.timestamp,
                         msg.medium or "gpu")

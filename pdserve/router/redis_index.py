@@ -1,8 +1,9 @@
 """Prefix index in Redis, shared by every router that points at the same Redis and key prefix.
 
 The key schema and the scripts that keep it are in redis_scripts.py: every write is one Lua
-script, atomic with respect to other routers, and none does more than one batch of events' or
-about DRAIN hashes' work, so that no call blocks Redis (and every router's matches) for long.
+script, atomic with respect to other routers, and none does more than one batch of events'
+(at most MAX_BATCH_OPS, kv_events.py) or about DRAIN hashes' work, so that no call blocks Redis
+(and every router's matches) for long.
 
 `match()` is one round trip: a pipeline of HKEYS P:blk:<hash> for the prompt's blocks plus one
 small script listing live instances; the prefix walk (stop at an instance's first miss) runs here.

@@ -1,12 +1,12 @@
 """Publishes an engine's prefix-cache events to the prefix index, batched and numbered.
 
-Every `interval_s` the events the block pool recorded are sent as one `KVEventBatch`; when the
-index answers that it cannot apply a batch (a gap, a restart on either side, Redis flushed),
-the publisher sends a full snapshot of the cached hashes instead. Sinks: the router's
-in-memory index over gRPC, or Redis directly (several routers then share it). An idle
-engine still sends an empty batch every `check_s`, so that an index that lost its state (a
-router or Redis restarted, Redis flushed) learns it and gets the snapshot without waiting for
-the engine's next event.
+Every `interval_s` the events the block pool recorded are sent as one `KVEventBatch` (several
+when they name more than MAX_BATCH_OPS hashes); when the index answers that it cannot apply a
+batch (a gap, a restart on either side, Redis flushed), the publisher sends a full snapshot of
+the cached hashes instead. Sinks: the router's in-memory index over gRPC, or Redis directly
+(several routers then share it). An idle engine still sends an empty batch every `check_s`, so
+that an index that lost its state (a router or Redis restarted, Redis flushed) learns it and
+gets the snapshot without waiting for the engine's next event.
 """
 
 from __future__ import annotations
@@ -85,13 +85,13 @@ class KVEventPublisher:
         events = self.loop.take_kv_events()
         if not events and self.in_sync and time.monotonic() - self._sent_at < self.check_s:
             return
-        batch = self.sequencer.batch(events)
+        batches = self.sequencer.batches(events)  # more than one past MAX_BATCH_OPS
         self._sent_at = time.monotonic()
-        self.in_sync = self.sink.apply(batch)
-        if not self.in_sync:
+        self.in_sync = all(self.sink.apply(batch) for batch in batches)  # stops at a refusal
+        if not self.in_sync:  # the snapshot holds every event taken: it stands for them all
             snapshot = self.loop.kv_snapshot()
-            self.in_sync = self.sink.resync(batch.instance_id, snapshot, batch.seq,
-                                            self.sequencer.medium)
+            self.in_sync = self.sink.resync(self.sequencer.instance_id, snapshot,
+                                            batches[-1].seq, self.sequencer.medium)
 
     def _run(self) -> None:
         wait = self.interval_s

@@ -57,6 +57,46 @@ def test_lost_batch_triggers_resync(loop):
     assert index.match(hash_blocks(list(range(800, 840)), 16)) == {"e1": 2}
 
 
+class RecordingSink:
+    """The in-memory index, recording each batch; it refuses the batch numbered `refuse`."""
+
+    def __init__(self, index, refuse=None):
+        self.index, self.refuse, self.seqs, self.resyncs = index, refuse, [], []
+
+    def apply(self, batch):
+        self.seqs.append(batch.seq)
+        return batch.seq != self.refuse and self.index.apply(batch)
+
+    def resync(self, instance_id, block_hashes, seq, medium="gpu"):
+        self.resyncs.append(seq)
+        return self.index.resync(instance_id, block_hashes, seq, medium)
+
+
+def test_events_beyond_one_batch_go_in_several_and_a_refused_one_resyncs(loop, monkeypatch):
+    """With batches of at most two hashes, a 3-block prompt goes in two batches; when the
+    first is refused, the snapshot stands for both and takes the last one's seq."""
+    from pdserve.router import kv_events
+
+    monkeypatch.setattr(kv_events, "MAX_BATCH_OPS", 2)
+    index = MemoryPrefixIndex(ttl_s=60)
+    index.heartbeat("e1", {"role": "prefill"})
+    sink = RecordingSink(index)
+    publisher = KVEventPublisher(loop, sink, "e1")
+    ids = list(range(300, 350))  # 3 full blocks
+    generate(loop, "a", ids)
+    publisher.publish_once()
+    assert sink.seqs == [0, 1] and sink.resyncs == [] and publisher.in_sync
+    assert index.match(hash_blocks(ids, 16)) == {"e1": 3}
+    sink.refuse = 2
+    generate(loop, "b", list(range(400, 450)))
+    publisher.publish_once()
+    assert sink.seqs == [0, 1, 2] and sink.resyncs == [3] and publisher.in_sync
+    assert index.match(hash_blocks(list(range(400, 450)), 16)) == {"e1": 3}
+    generate(loop, "c", list(range(500, 520)))
+    publisher.publish_once()  # the index follows on from the snapshot's seq
+    assert sink.seqs[-1] == 4 and sink.resyncs == [3]
+
+
 class AwaySink:
     """A sink that cannot take anything (the router is down), then comes back."""
 

@@ -205,6 +205,10 @@ def test_oversized_or_forging_ids_are_refused_naming_the_field(cluster, want):
             timeout=5, metadata=member)),
         ("instance_id", lambda: router(cluster).PublishKVEvents(router_pb2.KVEventBatch(
             instance_id=long_id, seq=0), timeout=5, metadata=member)),
+        ("events", lambda: router(cluster).PublishKVEvents(router_pb2.KVEventBatch(
+            instance_id="decode-0", seq=0, events=[router_pb2.KVEvent(
+                stored=router_pb2.BlockStored(block_hashes=range(1, 4098)))]),
+            timeout=5, metadata=member)),
         ("instance_id", lambda: router(cluster).ResyncKVState(router_pb2.KVStateSnapshot(
             instance_id="a b", seq=0, block_hashes=[1]), timeout=5, metadata=member)),
         ("request_id", lambda: list(router(cluster).Generate(router_pb2.GenerateRequest(

@@ -1,6 +1,7 @@
 """No call of the Redis prefix index does more than about DRAIN hashes' work (Redis runs one
-script at a time, so a long one stalls every router's matches): a snapshot goes in parts, and
-the blocks an instance drops wait in a grave that later writes empty, DRAIN at a time."""
+script at a time, so a long one stalls every router's matches): a snapshot goes in parts, the
+blocks an instance drops wait in a grave that later writes empty, DRAIN at a time, and a
+publisher sends more events than one batch may hold in several."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import pytest
 import redis
 from redis_fixture import RedisServer, redis_server  # noqa: F401  (session fixture)
 
-from pdserve.engine.block_pool import AllBlocksCleared, BlockStored
+from pdserve.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.proto.pdserve.v1 import router_pb2
 from pdserve.router import redis_index
-from pdserve.router.kv_events import KVEventBatch
+from pdserve.router.kv_events import (MAX_BATCH_OPS, KVEventBatch, KVEventSequencer, count_ops,
+                                      event_to_dict)
+from pdserve.router.kv_events_wire import batch_from_proto, batch_to_proto
 from pdserve.router.redis_index import RedisPrefixIndex
 
 DRAIN = 4
@@ -95,3 +99,42 @@ def test_many_instances_lapsing_at_once_share_one_calls_budget(setup):
     for _ in range(5):
         index.sweep()
     assert raw.keys(f"{prefix}:*") == []
+
+
+def test_events_beyond_one_batch_go_in_several_and_an_oversized_batch_is_refused(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """A 10,000-block prompt stored and half of it evicted in one interval: the sequencer cuts
+    the events into consecutive batches of at most MAX_BATCH_OPS hashes, the stored parts
+    chained, and Redis ends up with what the unsplit events say. One batch more than the
+    limit cannot be built, from JSON or from protobuf."""
+    index = RedisPrefixIndex(redis_server.url, key_prefix=f"test-{uuid.uuid4().hex[:8]}")
+    assert index.heartbeat("a", {"role": "decode"})
+    chain = list(range(10_000, 20_000))
+    events = [BlockStored(tuple(chain), 7, 16 * len(chain)), BlockRemoved(tuple(chain[5000:])),
+              AllBlocksCleared(), BlockStored(tuple(chain[:2000]), 7, 16 * 2000)]
+    sequencer = KVEventSequencer("a")
+    batches = sequencer.batches([BlockStored((1,), None, 16)]) + sequencer.batches(events)
+    assert [b.seq for b in batches] == list(range(6))  # 1 + ceil(17,001 / 4,096)
+    assert all(count_ops(b.events) <= MAX_BATCH_OPS for b in batches)
+    stored = [e for b in batches[1:] for e in b.events if isinstance(e, BlockStored)]
+    assert [h for e in stored for h in e.block_hashes] == chain + chain[:2000]
+    assert sum(e.num_tokens for e in stored) == 16 * 12_000
+    for before, after in zip(stored, stored[1:]):  # each part chains from the one before
+        if after.block_hashes[0] != chain[0]:
+            assert after.parent_hash == before.block_hashes[-1]
+    assert all(index.apply(b) for b in batches)
+    assert index.apply(batch("a", 6))  # the next write empties the rest of the clear's grave
+    assert index.match(chain) == {"a": 2000}
+    assert index.match([1]) == {"a": 0}  # cleared in the middle of the events
+    index.close()
+    too_many = (BlockStored(tuple(range(1, MAX_BATCH_OPS)), None, 16), AllBlocksCleared(),
+                BlockRemoved((5,)))
+    with pytest.raises(ValueError, match="^events: 4097"):
+        KVEventBatch("a", 8, too_many)
+    with pytest.raises(ValueError, match="^events: 4097"):
+        KVEventBatch.from_dict({"instance_id": "a", "seq": 8,
+                                "events": [event_to_dict(e) for e in too_many]})
+    fits = batch_to_proto(KVEventBatch("a", 8, too_many[:2]))
+    fits.events.append(router_pb2.KVEvent(removed=router_pb2.BlockRemoved(block_hashes=[5])))
+    with pytest.raises(ValueError, match="^events: 4097"):
+        batch_from_proto(fits)
