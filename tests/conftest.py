@@ -22,6 +22,28 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def copying_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose layers add nothing to the residual stream (o_proj and down_proj are
+    zero): its next token depends on the last one alone, so its greedy output repeats and
+    every well-made n-gram draft is right."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve.models.tiny import write_tiny_llama
+
+    base = write_tiny_llama(tmp_path_factory.mktemp("base"), tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    path = tmp_path_factory.mktemp("copying")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(base).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """Absolute path of the bundled SmolLM2-135M-Instruct Q4_1 .gguf file."""
     from pdserve.models.loader import DEFAULT_MODEL, resolve_model

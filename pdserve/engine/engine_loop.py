@@ -99,7 +99,8 @@ class EngineStats:
     cached_blocks: int
     prompt_tokens: int = 0  # computed so far (prefill), and sampled so far
     generation_tokens: int = 0
-    drafts: int = 0  # speculative decoding: drafts verified, their tokens, and those kept
+    speculative: bool = False  # drafts tokens (speculative_config); then:
+    drafts: int = 0  # drafts verified, their tokens, and those kept
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
@@ -246,6 +247,7 @@ class EngineLoop:
             kv_loads_failed=sched.kv_loads_failed, cached_blocks=len(pool.cached),
             prompt_tokens=self.engine.num_prompt_tokens,
             generation_tokens=self.engine.num_generation_tokens,
+            speculative=self.engine.config.scheduler.speculative is not None,
             drafts=sched.num_drafts, draft_tokens=sched.num_draft_tokens,
             accepted_tokens=sched.num_accepted_tokens)
 

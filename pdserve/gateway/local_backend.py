@@ -140,7 +140,7 @@ class LocalBackend(Backend):
 
     async def stats(self) -> BackendStats:
         s = await self._call(self.loop.stats)
-        drafts = self.engine.config.scheduler.speculative is not None
+        drafts = s.speculative
         return BackendStats(
             running_requests=s.running_requests, waiting_requests=s.waiting_requests,
             free_blocks=s.free_blocks, total_blocks=s.total_blocks,

@@ -157,6 +157,7 @@ class RouterBackend(Backend):
         roles: dict[str, int] = {}
         for load in loads:
             roles[load.role] = roles.get(load.role, 0) + 1
+        drafting = [x for x in loads if x.speculative]
         return BackendStats(
             running_requests=sum(x.running_requests for x in loads),
             waiting_requests=sum(x.waiting_requests for x in loads),
@@ -166,6 +167,9 @@ class RouterBackend(Backend):
             prefix_hits=_sum(loads, "prefix_hits"),
             kv_transfer_bytes=_sum(loads, "kv_bytes_received"),
             kv_transfer_seconds=_sum(loads, "kv_transfer_seconds"),
+            spec_drafts=_sum(drafting, "spec_drafts") if drafting else None,
+            spec_draft_tokens=_sum(drafting, "spec_draft_tokens") if drafting else None,
+            spec_accepted_tokens=_sum(drafting, "spec_accepted_tokens") if drafting else None,
             prefix_index_errors=listed.prefix_index_errors, instances=roles)
 
     async def close(self) -> None:

@@ -61,9 +61,12 @@ class Instance:
         return load
 
 
-# A Load's counts, read by routing and disaggregation rules (negative ones are refused).
+# A Load's counts, read by routing and disaggregation rules, and its totals, summed into the
+# gateway's /metrics (negative ones are refused).
 COUNTS = ("waiting_requests", "running_requests", "waiting_tokens", "free_blocks",
-          "total_blocks")
+          "total_blocks", "prefix_queries", "prefix_hits", "kv_bytes_received",
+          "kv_loads_failed", "cached_blocks", "spec_drafts", "spec_draft_tokens",
+          "spec_accepted_tokens")
 
 
 def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = "",
@@ -81,6 +84,9 @@ def instance_from_load(load: common_pb2.Load, *, address: str = "", role: str = 
     for name in COUNTS:
         if getattr(load, name) < 0:
             raise ValueError(f"{name}: must be >= 0, got {getattr(load, name)}")
+    if not 0 <= load.kv_transfer_seconds < float("inf"):  # NaN fails both
+        raise ValueError(f"kv_transfer_seconds: must be finite and >= 0, got "
+                         f"{load.kv_transfer_seconds}")
     if len(load.connector) > 16:
         raise ValueError(f"connector: expected a connector's name, got {load.connector[:40]!r}")
     kept = common_pb2.Load()  # NOTE: a copy without unknown fields, which nothing reads

@@ -100,4 +100,6 @@ def load_message(instance_id: str, role: str, address: str, stats, connector: st
         connector=connector, block_size=block_size, prefix_queries=stats.prefix_queries,
         prefix_hits=stats.prefix_hits, kv_bytes_received=stats.kv_bytes_received,
         kv_transfer_seconds=stats.kv_transfer_seconds, kv_loads_failed=stats.kv_loads_failed,
-        cached_blocks=stats.cached_blocks)
+        cached_blocks=stats.cached_blocks, speculative=stats.speculative,
+        spec_drafts=stats.drafts, spec_draft_tokens=stats.draft_tokens,
+        spec_accepted_tokens=stats.accepted_tokens)

@@ -6,11 +6,10 @@ and when streaming."""
 import pytest
 import torch
 from hf_reference import hf_greedy
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams, TokensPrompt
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.models.tiny import write_tiny_llama
 from pdserve.sampling_params import RequestOutputKind
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -40,20 +39,10 @@ def smollm2_drafting():
 
 
 @pytest.fixture(scope="module")
-def copying_model(tmp_path_factory):
-    """A tiny Llama whose layers add nothing to the residual stream (o_proj and down_proj are
-    zero): its next token depends on the last one alone, so its greedy output repeats and
-    every well-made draft is right."""
-    base = write_tiny_llama(tmp_path_factory.mktemp("base"), tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    path = tmp_path_factory.mktemp("copying")
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(base).save_pretrained(path)
-    return path, model.eval()
+def copying_model(copying_model_dir):
+    """The copying model's directory (conftest.py) and its transformers reference."""
+    model = AutoModelForCausalLM.from_pretrained(copying_model_dir, dtype=torch.float32)
+    return copying_model_dir, model.eval()
 
 
 def test_native_loop_drafts_give_transformers_tokens(smollm2_drafting, hf_smollm2):

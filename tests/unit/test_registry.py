@@ -81,7 +81,10 @@ def test_roles(reg, role, live_as_prefill, live_as_decode):
     (load(running_requests=-1), "running_requests"),
     (load(waiting_requests=-5), "waiting_requests"),
     (load(waiting_tokens=-1), "waiting_tokens"), (load(free_blocks=-1), "free_blocks"),
-    (load(total_blocks=-2), "total_blocks"),
+    (load(total_blocks=-2), "total_blocks"), (load(prefix_hits=-1), "prefix_hits"),
+    (load(spec_accepted_tokens=-3), "spec_accepted_tokens"),
+    (load(kv_transfer_seconds=float("nan")), "kv_transfer_seconds"),
+    (load(kv_transfer_seconds=-1.0), "kv_transfer_seconds"),
     # a channel is opened to every address routed to: HOST:PORT only
     (load(address="x" * 300 + ":1"), "address"), (load(address="127.0.0.1"), "address"),
     (load(address="127.0.0.1:99999"), "address"), (load(address=":50051"), "address"),

@@ -192,7 +192,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., served_by: _Optional[_Union[ServedBy, _Mapping]] = ..., cumulative_logprob: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "waiting_requests", "running_requests", "waiting_tokens", "free_blocks", "total_blocks", "leased_requests", "connector", "block_size", "prefix_queries", "prefix_hits", "kv_bytes_received", "kv_transfer_seconds", "kv_loads_failed", "cached_blocks", "indexed_blocks")
+    __slots__ = ("instance_id", "role", "address", "waiting_requests", "running_requests", "waiting_tokens", "free_blocks", "total_blocks", "leased_requests", "connector", "block_size", "prefix_queries", "prefix_hits", "kv_bytes_received", "kv_transfer_seconds", "kv_loads_failed", "cached_blocks", "indexed_blocks", "speculative", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,10 @@ class Load(_message.Message):
     KV_LOADS_FAILED_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     address: str
@@ -229,7 +233,11 @@ class Load(_message.Message):
     kv_loads_failed: int
     cached_blocks: int
     indexed_blocks: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_requests: _Optional[int] = ..., connector: _Optional[str] = ..., block_size: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_loads_failed: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+    speculative: bool
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_requests: _Optional[int] = ..., connector: _Optional[str] = ..., block_size: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_loads_failed: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., speculative: _Optional[bool] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,63 @@
+"""N-gram drafts on the instances of a real 1P1D cluster (router, prefill and decode
+processes): greedy output through the router equals a colocated engine's without drafts, and
+the gateway's /metrics sums the instances' draft counters, as vLLM names them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from pdserve import LLM, SamplingParams, TokensPrompt
+from pdserve.cluster import Cluster, ClusterSpec
+from pdserve.gateway.app import build_app
+from pdserve.gateway.router_backend import RouterBackend
+
+DRAFTS = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+THRESHOLD = 8  # prompts of 8+ uncached tokens are prefilled on the prefill instance
+WAIT_S = 15
+NAMES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+         "spec_decode_num_accepted_tokens")
+
+
+@pytest.fixture(scope="module")
+def cluster(copying_model_dir):
+    spec = ClusterSpec(model=str(copying_model_dir), connector="shm", grpc_port=0,
+                       disagg_threshold=THRESHOLD, kv_cache_memory_bytes=8 << 20,
+                       startup_timeout_s=90, instance_args=("--speculative-config", DRAFTS))
+    with Cluster(spec) as c:
+        yield c
+
+
+def draft_counters(client) -> tuple[float, ...] | None:
+    """The gateway's three draft counters, or None when it shows none."""
+    samples = {s.name: s.value for f in text_string_to_metric_families(
+        client.get("/metrics").text) for s in f.samples}
+    if f"pdserve:{NAMES[0]}_total" not in samples:
+        return None
+    return tuple(samples[f"pdserve:{name}_total"] for name in NAMES)
+
+
+def test_drafting_instances_give_colocated_tokens_and_count_their_drafts(cluster,
+                                                                         copying_model_dir):
+    llm = LLM(str(copying_model_dir), kv_cache_memory_bytes=8 << 20)  # no drafts
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    backend = RouterBackend(cluster.router_address, str(copying_model_dir))
+    with TestClient(build_app(backend, "copy")) as client:
+        assert draft_counters(client) == (0, 0, 0)  # shown: the instances draft
+        for prompt in ([5, 6, 7, 5, 6, 7, 5, 6, 9], [11, 12]):  # disaggregated, decode only
+            want = llm.generate(TokensPrompt(prompt_token_ids=prompt), greedy,
+                                use_tqdm=False)[0].outputs[0].text
+            r = client.post("/v1/completions", json={
+                "model": "copy", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        deadline = time.monotonic() + WAIT_S  # the router has the loads of the next heartbeats
+        while (counts := draft_counters(client) or (0,))[0] == 0 and \
+                time.monotonic() < deadline:
+            time.sleep(0.3)
+    drafts, tokens, kept = counts
+    assert drafts > 0 and drafts <= tokens <= 3 * drafts and 0 < kept <= tokens
