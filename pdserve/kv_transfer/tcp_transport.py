@@ -244,7 +244,8 @@ class TcpTransport(KVTransport):
                    runs: list[BlockRun]) -> None:
         """Send one READ and receive its `expected` bytes into `runs`; KVTransferError if the
         producer refuses, fails or is too slow. A timeout on a connection opened for this read
-        holds the producer (a cached one may have been dropped on the way, silently)."""
+        holds the producer; one on a cached connection, which may have been dropped on the way
+        silently, only when it is the second within the hold time."""
         for attempt in (0, 1):
             reused = key in self._peers
             try:
@@ -284,10 +285,10 @@ class TcpTransport(KVTransport):
     def _failed(self, key: tuple[str, int, str], e: BaseException,
                 reused: bool) -> KVTransferError:
         """Drop the connection to `key` after `e`; hold the producer after a timeout on a
-        fresh connection. The error to raise."""
+        fresh connection, or a second one on kept connections. The error to raise."""
         self._drop(key)
-        if isinstance(e, TimeoutError) and not reused:
-            self._unresponsive.mark(key)
+        if isinstance(e, TimeoutError):
+            self._unresponsive.mark(key, sure=not reused)
         return KVTransferError(f"tcp read from {key[2]!r} at {key[0]}:{key[1]} failed: "
                                f"{type(e).__name__}: {e}")
 

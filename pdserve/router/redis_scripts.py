@@ -17,7 +17,7 @@ Key schema (P = key prefix, "pdserve" by default; hashes are decimal ints in [0,
 Every write is one Lua script, so the seq check and the writes are atomic with respect to other
 routers, and deadlines come from the Redis server clock (routers' clocks may disagree). Scripts
 touch keys they do not declare, so this runs on a single Redis (or a primary with replicas),
-not Redis Cluster. No script does more than one batch of events' (at most 4,096 hashes) or
+not Redis Cluster. No script does more than one batch of events' (kv_events.MAX_BATCH_OPS) or
 about DRAIN hashes' work, so none blocks Redis for long: a snapshot goes in parts, and the
 blocks of an instance that lapsed, was removed or cleared its cache are left in a grave that
 later writes empty. Until its grave is empty, a

@@ -64,7 +64,7 @@ class Instance:
 # A Load's counts, read by routing and disaggregation rules, and its totals, summed into the
 # gateway's /metrics (negative ones are refused).
 COUNTS = ("waiting_requests", "running_requests", "waiting_tokens", "free_blocks",
-          "total_blocks", "prefix_queries", "prefix_hits", "kv_bytes_received",
+          "total_blocks", "leased_requests", "prefix_queries", "prefix_hits", "kv_bytes_received",
           "kv_loads_failed", "cached_blocks", "spec_drafts", "spec_draft_tokens",
           "spec_accepted_tokens")
 

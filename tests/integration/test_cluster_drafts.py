@@ -31,13 +31,25 @@ def cluster(copying_model_dir):
         yield c
 
 
+def metric(client, name: str) -> float | None:
+    """The value of the gateway's `pdserve:<name>` sample, or None when it shows none."""
+    return next((s.value for f in text_string_to_metric_families(client.get("/metrics").text)
+                 for s in f.samples if s.name == f"pdserve:{name}"), None)
+
+
+def wait_for(read):
+    """read()'s first truthy value within WAIT_S (the router has the instances' counters from
+    their next heartbeats), else its last."""
+    deadline = time.monotonic() + WAIT_S
+    while not (value := read()) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return value
+
+
 def draft_counters(client) -> tuple[float, ...] | None:
     """The gateway's three draft counters, or None when it shows none."""
-    samples = {s.name: s.value for f in text_string_to_metric_families(
-        client.get("/metrics").text) for s in f.samples}
-    if f"pdserve:{NAMES[0]}_total" not in samples:
-        return None
-    return tuple(samples[f"pdserve:{name}_total"] for name in NAMES)
+    counts = tuple(metric(client, f"{name}_total") for name in NAMES)
+    return None if None in counts else counts
 
 
 def test_drafting_instances_give_colocated_tokens_and_count_their_drafts(cluster,
@@ -55,9 +67,9 @@ def test_drafting_instances_give_colocated_tokens_and_count_their_drafts(cluster
                 "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
-        deadline = time.monotonic() + WAIT_S  # the router has the loads of the next heartbeats
-        while (counts := draft_counters(client) or (0,))[0] == 0 and \
-                time.monotonic() < deadline:
-            time.sleep(0.3)
-    drafts, tokens, kept = counts
+            if len(prompt) >= THRESHOLD:  # its KV came from the prefill instance
+                assert wait_for(lambda: metric(client, "kv_transfer_bytes_total"))
+        counts = wait_for(lambda: [c for c in [draft_counters(client)] if c and c[0] > 0])
+    assert counts, f"no drafts counted in {WAIT_S} s"
+    drafts, tokens, kept = counts[0]
     assert drafts > 0 and drafts <= tokens <= 3 * drafts and 0 < kept <= tokens

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -15,6 +16,7 @@ import torch
 from test_kv_transport import LAYOUT, Producer, consumer
 
 from pdserve.kv_transfer import KVTransferError
+from pdserve.kv_transfer.tcp_wire import REPLY, REQ
 from pdserve.kv_transfer.transport import DESCRIPTOR_VERSION, KVLayout
 from pdserve.kv_transfer.unresponsive_peers import UnresponsivePeers
 
@@ -117,8 +119,9 @@ def test_after_a_timeout_reads_naming_that_producer_fail_at_once(monkeypatch):
         # Other producers are read as before.
         assert dec.read_blocks(producer.descriptor, [4], [1], producer.lease) > 0
         assert torch.equal(dec.kv_cache[:, :, 1], producer.expected()[:, :, 4])
-        assert silent.connections(2) == 1
-        time.sleep(1.6)  # the hold ends: the next read tries the producer again
+        time.sleep(0.3)  # a connection would have been accepted by now
+        assert len(silent.accepted) == 1
+        time.sleep(1.3)  # the hold (1.5 s from the timeout) ends: the next read tries again
         error = read_in_thread(dec, silent.descriptor, ("lease", "token"))
         assert "TimeoutError" in str(error) and silent.connections(2) == 2
 
@@ -155,3 +158,77 @@ def test_a_hold_ends_and_the_oldest_is_forgotten_past_capacity():
     ended = UnresponsivePeers(hold_s=0)
     ended.mark("a")
     ended.check("a", "producer a")  # a hold of no time is over at once
+    doubted = UnresponsivePeers(hold_s=3600)
+    doubted.mark("a", sure=False)
+    doubted.check("a", "producer a")  # one timeout that may not be theirs: no hold
+    doubted.mark("a", sure=False)
+    with pytest.raises(KVTransferError, match="^producer a timed out"):
+        doubted.check("a", "producer a")
+
+
+class ScriptedProducer:
+    """A producer on loopback that answers HELLO, then each READ on a connection with the
+    next of `replies` (bytes to send, or None: say nothing), one thread a connection."""
+
+    def __init__(self, hello: bytes, replies: list[bytes | None]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.hello, self.replies, self.connections = hello, replies, 0
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+        layout = KVLayout(**{**LAYOUT_F32, "num_blocks": 32})
+        self.descriptor = {"kind": "tcp", "version": DESCRIPTOR_VERSION, "engine_id": "scripted",
+                           "host": "127.0.0.1", "port": self.listener.getsockname()[1],
+                           "layout": layout.to_dict()}
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn = self.listener.accept()[0]
+                self.connections += 1
+                self._open.append(conn)
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError, struct.error):
+            for reply in [self.hello, *self.replies]:
+                _, _, length = REQ.unpack(conn.recv(REQ.size, socket.MSG_WAITALL))
+                conn.recv(length, socket.MSG_WAITALL)
+                if reply is None:
+                    conn.recv(1)  # silent until the reader hangs up
+                    return
+                conn.sendall(reply)
+
+    def stop(self) -> None:
+        self.listener.close()
+        for conn in self._open:
+            conn.close()
+
+
+def test_a_producer_stalling_only_kept_connections_is_held_at_the_second_stall():
+    """Fresh connections get a prompt refusal (the connection stays open for the next read),
+    kept ones silence: one stall is forgiven (a kept connection may have been dropped on
+    the way), the second within the hold time holds the producer."""
+    refusal = REPLY.pack(1, 2) + b"no"
+    scripted = ScriptedProducer(REPLY.pack(0, 0), [refusal, None])
+    try:
+        with consumer("tcp", LAYOUT_F32, timeout_s=0.5) as dec:
+            for expect in ("refused: no", "TimeoutError", "refused: no", "TimeoutError"):
+                error = read_in_thread(dec, scripted.descriptor, ("lease", "token"))
+                assert isinstance(error, KVTransferError) and expect in str(error)
+            with pytest.raises(KVTransferError, match="fail at once"):
+                dec.read_blocks(scripted.descriptor, [3], [0], ("lease", "token"))
+            assert scripted.connections == 2
+    finally:
+        scripted.stop()
+
+
+def test_an_oversized_handshake_reply_is_refused_without_a_hold():
+    scripted = ScriptedProducer(REPLY.pack(0, 1 << 20), [])
+    try:
+        with consumer("tcp", LAYOUT_F32, timeout_s=3.0) as dec:
+            for _ in range(2):  # refused at once, and not held: the next read connects again
+                with pytest.raises(KVTransferError, match="1048576-byte handshake reply"):
+                    dec.read_blocks(scripted.descriptor, [3], [0], ("lease", "token"))
+            assert scripted.connections == 2
+    finally:
+        scripted.stop()
