@@ -248,6 +248,27 @@ def test_new_api_keys_restart_only_the_pods_that_read_them(tmp_path):
         "pdserve-router", "pdserve-gateway"}
 
 
+def test_the_checksum_gives_no_fast_test_of_a_guessed_api_key(tmp_path):
+    """With the cluster secret left to the chart (empty in the values), a plain hash of the
+    API keys in a pod annotation would let anyone who may read pods test guesses at
+    sha256's speed; the keys go in through scrypt instead, and still change the checksum."""
+    import hashlib
+    import json
+
+    def router_checksum(keys):
+        out = _run("template", RELEASE, str(CHART), "--namespace", "pdserve",
+                   values={"apiKeys": keys}, tmp=tmp_path)
+        [router] = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"
+                    and d["metadata"]["name"] == "pdserve-router"]
+        return router["spec"]["template"]["metadata"]["annotations"]["checksum/secret"]
+
+    keys = ["weak-key-0123456789"]
+    plain = json.dumps(["", keys], separators=(",", ":"))  # what the annotation hashed before
+    assert router_checksum(keys) != hashlib.sha256(plain.encode()).hexdigest()
+    assert router_checksum(keys) == router_checksum(keys)  # no restarts on every upgrade
+    assert router_checksum(keys) != router_checksum(["other-key-0123456789"])
+
+
 def test_override_values_reach_the_objects():
     docs = _render("override")
     deps = {d["metadata"]["name"]: d for d in _of(docs, "Deployment")}

@@ -49,11 +49,17 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{/*
 Pod annotations that change when the secret values a pod reads do, so that it restarts with
 them (a generated cluster secret is kept across upgrades: it changes nothing). Engines read the
-cluster secret only, so new API keys do not restart them. The API keys are hashed after the
-cluster secret, which salts them when it is set.
+cluster secret only, so new API keys do not restart them. Anyone who may read pods sees the
+annotations, and clusterSecret is empty when the chart generates the secret, so the API keys go
+in through a slow derivation (scrypt, in sprig's derivePassword) salted with the release name:
+the annotation gives no fast test of a guessed key.
 */}}
 {{- define "pdserve.secretChecksum" -}}
-{{- list .Values.clusterSecret .Values.apiKeys | toJson | sha256sum -}}
+{{- $keys := "" -}}
+{{- if .Values.apiKeys -}}
+{{- $keys = derivePassword 1 "maximum" (join "," .Values.apiKeys) "pdserve-api-keys" .Release.Name -}}
+{{- end -}}
+{{- list .Values.clusterSecret $keys | toJson | sha256sum -}}
 {{- end -}}
 {{- define "pdserve.clusterSecretChecksum" -}}
 {{- .Values.clusterSecret | toJson | sha256sum -}}
