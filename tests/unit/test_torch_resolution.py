@@ -9,10 +9,14 @@ Both need PyPI: skipped, saying so, when it cannot be reached.
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 from install_scripts import PYPROJECT, ROOT, choose_torch
@@ -27,8 +31,9 @@ def _pypi_reachable() -> bool:
         return False
 
 
+REACHABLE = _pypi_reachable()
 pytestmark = [pytest.mark.network,
-              pytest.mark.skipif(not _pypi_reachable(),
+              pytest.mark.skipif(not REACHABLE,
                                  reason="PyPI (pypi.org) cannot be reached: no dry run")]
 
 # What `setup.sh --test` installs after torch.
@@ -47,45 +52,62 @@ def chosen(kind: str) -> list[str]:
     return done.stdout.splitlines()
 
 
-def start_dry_run(*args: str) -> subprocess.Popen:
-    """`pip install --dry-run ARGS`, started; `report` waits for it."""
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
-           "--disable-pip-version-check", "--report", "-", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+_STARTED: dict[str, tuple[subprocess.Popen, Path]] = {}  # kind -> (pip, its report file)
 
 
-def report(proc: subprocess.Popen) -> dict[str, dict]:
-    """The metadata of each distribution the dry run would install."""
-    try:
-        out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:  # timed out, or the test is stopping: no pip left behind
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err[-3000:]
-    return {i["metadata"]["name"].lower(): i["metadata"] for i in json.loads(out)["install"]}
-
-
-@pytest.fixture(scope="module")
-def resolved(tmp_path_factory) -> dict[str, dict[str, dict]]:
-    """Both choices' dry runs, side by side (each mostly waits on PyPI for 20-30 s)."""
+def start_dry_runs() -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Both choices' `pip install --dry-run`, started once, side by side. tests/conftest.py
+    starts them when these tests are selected: they mostly wait on PyPI (20-40 s), and the
+    rest of the suite runs meanwhile."""
+    if _STARTED or not REACHABLE:
+        return _STARTED
+    out_dir = Path(tempfile.mkdtemp(prefix="pdserve-dry-run-"))
+    atexit.register(_stop, out_dir)
     cpu, gpu = chosen("cpu"), chosen("gpu")
     if cpu[0] == "--index-url":  # torch from PyTorch's CPU index, the rest from the default
         cpu = ["--extra-index-url", *cpu[1:]]
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    target = str(tmp_path_factory.mktemp("target"))
-    started = {
-        "cpu": start_dry_run("--ignore-installed", *cpu, *PDSERVE_REQS),
-        "gpu": start_dry_run("--only-binary=:all:", *LINUX_X86_64, "--python-version", python,
-                             "--target", target, *gpu, *PDSERVE_REQS),
-    }
+    for kind, args in (
+            ("cpu", ["--ignore-installed", *cpu, *PDSERVE_REQS]),
+            ("gpu", ["--only-binary=:all:", *LINUX_X86_64, "--python-version", python,
+                     "--target", str(out_dir / "target"), *gpu, *PDSERVE_REQS])):
+        report_file = out_dir / f"{kind}.json"
+        with open(out_dir / f"{kind}.log", "w") as log:
+            _STARTED[kind] = (subprocess.Popen(
+                [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+                 "--disable-pip-version-check", "--report", str(report_file), *args],
+                stdout=log, stderr=subprocess.STDOUT), report_file)
+    return _STARTED
+
+
+def _stop(out_dir: Path) -> None:
+    """No pip left running, no files left behind."""
+    for proc, _ in _STARTED.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def report(kind: str) -> dict[str, dict]:
+    """The metadata of each distribution `kind`'s dry run would install."""
+    proc, report_file = start_dry_runs()[kind]
     try:
-        return {kind: report(proc) for kind, proc in started.items()}
+        proc.wait(timeout=600)
     finally:
-        for proc in started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = report_file.with_suffix(".log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    return {i["metadata"]["name"].lower(): i["metadata"]
+            for i in json.loads(report_file.read_text())["install"]}
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, dict[str, dict]]:
+    """Both choices' resolutions."""
+    return {kind: report(kind) for kind in ("cpu", "gpu")}
 
 
 def test_cpu_choice_resolves_the_cpu_build(resolved):
