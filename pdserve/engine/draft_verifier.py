@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.sampler import Sampler, draw_tokens, sampling_probs
 from pdserve.engine.step_records import ScheduledChunk
+from pdserve.kernels.cpu_argmax import argmax_rows
 
 _SAMPLING_EPS = 1e-5
 
@@ -39,7 +40,7 @@ def verify_drafts(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
         row += n
     results: list[tuple[list[int], int] | None] = [None] * len(chunks)
     if greedy_rows:
-        best = dict(zip(greedy_rows, _rows(logits, greedy_rows).argmax(dim=-1).tolist()))
+        best = dict(zip(greedy_rows, argmax_rows(_rows(logits, greedy_rows)).tolist()))
         for i, chunk in enumerate(chunks):
             if firsts[i] in best:
                 choices = [best[firsts[i] + j] for j in range(len(chunk.draft_token_ids) + 1)]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.structured_output import apply_grammar_masks
+from pdserve.kernels.cpu_argmax import argmax_rows
 
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
@@ -63,7 +64,7 @@ class Sampler:
         needs_processing = any(_needs_processing(row) for row in rows)
 
         if all(greedy) and not needs_processing and not any(want_logprobs):
-            return [SampleResult(t, None) for t in logits.argmax(dim=-1).tolist()]
+            return [SampleResult(t, None) for t in argmax_rows(logits).tolist()]
 
         raw = logits
         if needs_processing:
@@ -233,7 +234,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[Request], greedy: list[bool],
     random_idx = [i for i, g in enumerate(greedy) if not g]
     if greedy_idx:
         idx = torch.tensor(greedy_idx, dtype=torch.long, device=device)
-        tokens[idx] = logits[idx].argmax(dim=-1)
+        tokens[idx] = argmax_rows(logits[idx]).to(device)
     if random_idx:
         idx = torch.tensor(random_idx, dtype=torch.long, device=device)
         sub_rows = [rows[i] for i in random_idx]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "linear.c",
+SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "argmax.c", "linear.c",
            "linear_coded.c", "decoder_layers.c", "decoder_lanes.c")
 HEADERS = ("vec16.h", "kernels.h", "decoder_layers.h", "panel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
@@ -48,6 +48,8 @@ _SIGNATURES = {
     # x, x_stride, delta, delta_stride, w, out, out_stride, rows, n, eps, num_threads
     "add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float,
                          ctypes.c_int],
+    # x, x_stride, rows, n, out (int64), num_threads
+    "argmax_rows_f32": [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int],
     # gate_up, gate_up_stride, out, out_stride, rows, n, num_threads
     "silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # x, x_stride, rows, panels, n, k, bias (or NULL), out, out_stride, num_threads
@@ -71,8 +73,8 @@ _SIGNATURES = {
                           _i64],
 }
 _RESULT = {"code_runs_f32": _i64}
-_VOID = {"rms_norm_f32", "add_rms_norm_f32", "silu_mul_f32", "rotary_f32", "linear_f32",
-         "linear_coded_f32"}
+_VOID = {"rms_norm_f32", "add_rms_norm_f32", "argmax_rows_f32", "silu_mul_f32", "rotary_f32",
+         "linear_f32", "linear_coded_f32"}
 
 
 def _compiler() -> str | None:

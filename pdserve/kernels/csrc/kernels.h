@@ -10,6 +10,8 @@
 
 void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
                   int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads);
+void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t n, int64_t *out,
+                     int num_threads);
 void add_rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
                       const float *w, float *out, int64_t out_stride, int64_t rows, int64_t n,
                       float eps, int num_threads);
