@@ -53,7 +53,8 @@ def smollm2_path() -> str:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the PyPI dry runs of tests/unit/test_torch_resolution.py as soon as they are
-    selected: they mostly wait on the network, and the rest of the suite runs meanwhile."""
+    selected: they mostly wait on the network, and the rest of the suite runs meanwhile
+    (from a thread: nothing here waits, and a failure reaches those tests, not the session)."""
     for item in session.items:
         start = getattr(getattr(item, "module", None), "start_dry_runs", None)
         if start is not None:

@@ -11,11 +11,13 @@ from pdserve.kernels import native
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits: (B, V) -> (B,) int64, the first index of each row's largest value."""
-    lib = native.load()
-    if (lib is None or logits.dim() != 2 or logits.device.type != "cpu"
-            or logits.dtype != torch.float32 or logits.stride(1) != 1):
+    if (logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.stride(1) != 1 or logits.shape[1] == 0):
         return logits.argmax(dim=-1)
-    out = torch.empty(logits.shape[0], dtype=torch.long)
+    lib = native.load()  # after the checks: an engine on another device never builds it here
+    if lib is None:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.long, device="cpu")
     lib.argmax_rows_f32(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
                         out.data_ptr(), torch.get_num_threads())
     return out

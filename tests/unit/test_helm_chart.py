@@ -248,25 +248,32 @@ def test_new_api_keys_restart_only_the_pods_that_read_them(tmp_path):
         "pdserve-router", "pdserve-gateway"}
 
 
-def test_the_checksum_gives_no_fast_test_of_a_guessed_api_key(tmp_path):
-    """With the cluster secret left to the chart (empty in the values), a plain hash of the
-    API keys in a pod annotation would let anyone who may read pods test guesses at
-    sha256's speed; the keys go in through scrypt instead, and still change the checksum."""
+def test_the_checksums_give_no_fast_test_of_a_guessed_key_or_secret(tmp_path):
+    """Pod annotations are visible to anyone who may read pods: a plain hash of the API keys
+    (with the cluster secret left to the chart, nothing salts them) or of a cluster secret
+    set in the values would let them test guesses at sha256's speed. Both go in through
+    scrypt, salted per release, and still change the checksums."""
     import hashlib
     import json
 
-    def router_checksum(keys):
-        out = _run("template", RELEASE, str(CHART), "--namespace", "pdserve",
-                   values={"apiKeys": keys}, tmp=tmp_path)
-        [router] = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"
-                    and d["metadata"]["name"] == "pdserve-router"]
-        return router["spec"]["template"]["metadata"]["annotations"]["checksum/secret"]
+    def checksums(values, release=RELEASE):
+        out = _run("template", release, str(CHART), "--namespace", "pdserve", values=values,
+                   tmp=tmp_path)
+        return {d["metadata"]["name"].removeprefix(f"{release}-"):
+                d["spec"]["template"]["metadata"].get("annotations", {}).get("checksum/secret")
+                for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"}
 
-    keys = ["weak-key-0123456789"]
-    plain = json.dumps(["", keys], separators=(",", ":"))  # what the annotation hashed before
-    assert router_checksum(keys) != hashlib.sha256(plain.encode()).hexdigest()
-    assert router_checksum(keys) == router_checksum(keys)  # no restarts on every upgrade
-    assert router_checksum(keys) != router_checksum(["other-key-0123456789"])
+    def fast(value) -> str:  # what the annotations held before
+        return hashlib.sha256(json.dumps(value, separators=(",", ":")).encode()).hexdigest()
+
+    keys, secret = ["weak-key-0123456789"], "correct-horse-battery"
+    router = checksums({"apiKeys": keys})["router"]
+    assert router != fast(["", keys])
+    assert router == checksums({"apiKeys": keys})["router"]  # no restarts on every upgrade
+    assert router != checksums({"apiKeys": ["other-key-0123456789"]})["router"]
+    assert router != checksums({"apiKeys": keys}, release="pdserve-two")["router"]  # salted
+    decode = checksums({"clusterSecret": secret})["decode"]
+    assert decode != fast(secret) and decode != checksums({"clusterSecret": secret + "!"})["decode"]
 
 
 def test_override_values_reach_the_objects():

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -53,31 +54,41 @@ def chosen(kind: str) -> list[str]:
 
 
 _STARTED: dict[str, tuple[subprocess.Popen, Path]] = {}  # kind -> (pip, its report file)
+_FAILED: list[BaseException] = []  # what went wrong starting them, raised by report()
+_starter: threading.Thread | None = None
 
 
-def start_dry_runs() -> dict[str, tuple[subprocess.Popen, Path]]:
-    """Both choices' `pip install --dry-run`, started once, side by side. tests/conftest.py
-    starts them when these tests are selected: they mostly wait on PyPI (20-40 s), and the
-    rest of the suite runs meanwhile."""
-    if _STARTED or not REACHABLE:
-        return _STARTED
-    out_dir = Path(tempfile.mkdtemp(prefix="pdserve-dry-run-"))
-    atexit.register(_stop, out_dir)
-    cpu, gpu = chosen("cpu"), chosen("gpu")
-    if cpu[0] == "--index-url":  # torch from PyTorch's CPU index, the rest from the default
-        cpu = ["--extra-index-url", *cpu[1:]]
-    python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    for kind, args in (
-            ("cpu", ["--ignore-installed", *cpu, *PDSERVE_REQS]),
-            ("gpu", ["--only-binary=:all:", *LINUX_X86_64, "--python-version", python,
-                     "--target", str(out_dir / "target"), *gpu, *PDSERVE_REQS])):
-        report_file = out_dir / f"{kind}.json"
-        with open(out_dir / f"{kind}.log", "w") as log:
-            _STARTED[kind] = (subprocess.Popen(
-                [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
-                 "--disable-pip-version-check", "--report", str(report_file), *args],
-                stdout=log, stderr=subprocess.STDOUT), report_file)
-    return _STARTED
+def start_dry_runs() -> None:
+    """Start both choices' `pip install --dry-run`, side by side, once, from a thread (asking
+    choose_torch.py for the arguments waits on PyPI too). tests/conftest.py calls this when
+    these tests are selected: they mostly wait on the network (20-40 s), and the rest of the
+    suite runs meanwhile."""
+    global _starter
+    if _starter is None and REACHABLE:
+        _starter = threading.Thread(target=_start, daemon=True, name="pip-dry-runs")
+        _starter.start()
+
+
+def _start() -> None:
+    try:
+        out_dir = Path(tempfile.mkdtemp(prefix="pdserve-dry-run-"))
+        atexit.register(_stop, out_dir)
+        cpu, gpu = chosen("cpu"), chosen("gpu")
+        if cpu[0] == "--index-url":  # torch from PyTorch's CPU index, the rest from the default
+            cpu = ["--extra-index-url", *cpu[1:]]
+        python = f"{sys.version_info.major}.{sys.version_info.minor}"
+        for kind, args in (
+                ("cpu", ["--ignore-installed", *cpu, *PDSERVE_REQS]),
+                ("gpu", ["--only-binary=:all:", *LINUX_X86_64, "--python-version", python,
+                         "--target", str(out_dir / "target"), *gpu, *PDSERVE_REQS])):
+            report_file = out_dir / f"{kind}.json"
+            with open(out_dir / f"{kind}.log", "w") as log:
+                _STARTED[kind] = (subprocess.Popen(
+                    [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+                     "--disable-pip-version-check", "--report", str(report_file), *args],
+                    stdout=log, stderr=subprocess.STDOUT), report_file)
+    except BaseException as e:  # noqa: BLE001 - the tests that need them fail with it
+        _FAILED.append(e)
 
 
 def _stop(out_dir: Path) -> None:
@@ -91,7 +102,12 @@ def _stop(out_dir: Path) -> None:
 
 def report(kind: str) -> dict[str, dict]:
     """The metadata of each distribution `kind`'s dry run would install."""
-    proc, report_file = start_dry_runs()[kind]
+    start_dry_runs()
+    assert _starter is not None
+    _starter.join(timeout=600)
+    if _FAILED:
+        raise _FAILED[0]
+    proc, report_file = _STARTED[kind]
     try:
         proc.wait(timeout=600)
     finally:

@@ -50,19 +50,23 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 Pod annotations that change when the secret values a pod reads do, so that it restarts with
 them (a generated cluster secret is kept across upgrades: it changes nothing). Engines read the
 cluster secret only, so new API keys do not restart them. Anyone who may read pods sees the
-annotations, and clusterSecret is empty when the chart generates the secret, so the API keys go
-in through a slow derivation (scrypt, in sprig's derivePassword) salted with the release name:
-the annotation gives no fast test of a guessed key.
+annotations, so the values go in through a slow derivation (scrypt, in sprig's derivePassword,
+whose "user" salts the scrypt step: the release's namespace and name), never a plain hash: the
+annotations give no fast test of a guessed API key or cluster secret.
 */}}
-{{- define "pdserve.secretChecksum" -}}
-{{- $keys := "" -}}
-{{- if .Values.apiKeys -}}
-{{- $keys = derivePassword 1 "maximum" (join "," .Values.apiKeys) "pdserve-api-keys" .Release.Name -}}
+{{- define "pdserve.slowDigest" -}}
+{{- $ctx := index . 0 -}}
+{{- if index . 1 -}}
+{{- derivePassword 1 "maximum" (index . 1) (printf "%s/%s" $ctx.Release.Namespace $ctx.Release.Name) (index . 2) -}}
 {{- end -}}
-{{- list .Values.clusterSecret $keys | toJson | sha256sum -}}
+{{- end -}}
+{{- define "pdserve.secretChecksum" -}}
+{{- $secret := include "pdserve.slowDigest" (list . .Values.clusterSecret "pdserve-cluster-secret") -}}
+{{- $keys := include "pdserve.slowDigest" (list . (join "," .Values.apiKeys) "pdserve-api-keys") -}}
+{{- list $secret $keys | toJson | sha256sum -}}
 {{- end -}}
 {{- define "pdserve.clusterSecretChecksum" -}}
-{{- .Values.clusterSecret | toJson | sha256sum -}}
+{{- include "pdserve.slowDigest" (list . .Values.clusterSecret "pdserve-cluster-secret") | toJson | sha256sum -}}
 {{- end -}}
 
 {{/* env: the API keys clients must present (comma-separated), when apiKeys is set. */}}
