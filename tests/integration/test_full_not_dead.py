@@ -3,6 +3,8 @@ decode streams, generations); one more is refused at once with RESOURCE_EXHAUSTE
 checks, load reports and heartbeats still get a thread, so the router keeps routing to the
 instance, tells the extra client to retry, and leaves no KV block held."""
 
+import itertools
+
 import grpc
 import pytest
 from cluster_procs import all_free, wait_for
@@ -19,6 +21,7 @@ from pdserve.proto.pdserve.v1 import (
 )
 
 IN_FLIGHT = 2
+_PROBES = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,21 @@ def hold(calls):
     return calls
 
 
+def has_room(decode_stub) -> bool:
+    """IN_FLIGHT short decode streams run at once on the instance: none of its slots is held."""
+    probe = next(_PROBES)
+    calls = [decode_stub.Decode(engine_pb2.DecodeRequest(
+        request_id=f"probe-{probe}-{i}", prompt_token_ids=[5, 6, 7],
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+        timeout=30) for i in range(IN_FLIGHT)]
+    try:
+        for call in calls:
+            list(call)
+        return True
+    except grpc.RpcError:
+        return False
+
+
 def test_a_full_decode_refuses_one_more_and_stays_routable(cluster, tiny_model_dir):
     router = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
     decode = cluster.child("decode-0").address
@@ -69,6 +87,9 @@ def test_a_full_decode_refuses_one_more_and_stays_routable(cluster, tiny_model_d
     assert {i.instance_id for i in listed} == {"prefill-0", "decode-0"}
     for call in direct:
         call.cancel()
+    # The decode server gives a cancelled stream's slot back when it next notices the cancel:
+    # wait for both, or a generation below could be refused there and free its router slot.
+    assert wait_for(lambda: has_room(d), timeout=15, interval=0.2)
     # The router's own bound: two generations in flight, a third is refused by the router.
     through = hold([generate(router, list(range(3600 + 100 * i, 3640 + 100 * i)), 1900)
                     for i in range(IN_FLIGHT)])
