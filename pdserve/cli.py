@@ -6,12 +6,14 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
 from pdserve.cli_help import HelpFormatter, finish_help
 from pdserve.cpu_budget import add_cpu_args, apply_cpu_budget, cores_from_args
 from pdserve.cpu_turns import use_cpu_turns
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.parent_watch import watch_parent
+from pdserve.process_exit import exit_now
 from pdserve.ports import PortInUse, check_bindable
 from pdserve.version import version
 from pdserve.vllm_argv import normalize_argv
@@ -112,5 +114,10 @@ def _error(e: Exception, args: argparse.Namespace) -> None:
         print(message, file=sys.stderr)
 
 
+def run() -> NoReturn:
+    """The `pdserve` command: `main`, then the process ends at once (process_exit)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

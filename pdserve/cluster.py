@@ -43,7 +43,7 @@ SHM_DIR = "/dev/shm"  # where shm instances keep their KV segments (ShmTransport
 
 def _reclaim_shm() -> None:
     """Remove the KV segments of dead instances (never a live one's)."""
-    from pdserve.kv_transfer.shm_segment import sweep_stale_segments  # imports torch
+    from pdserve.kv_transfer.shm_segment import sweep_stale_segments
 
     sweep_stale_segments(SHM_DIR)
 

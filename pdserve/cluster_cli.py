@@ -31,6 +31,7 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.gateway.server import tool_parser_from_args
 from pdserve.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.logging_setup import add_log_args, announce, report, setup_from_args
+from pdserve.process_exit import exit_now
 from pdserve.router.prefix_index import add_redis_prefix_arg
 from pdserve.services.auth import SECRET_ENV
 
@@ -160,7 +161,7 @@ def supervise(cluster: Cluster) -> int:
     """Until a signal: restart every child that exits (an engine whose loop died exits 1 for
     this), up to MAX_RESTARTS times each; one that keeps dying stops everything, exit 1."""
     while not cluster.interrupted:
-        time.sleep(0.5)
+        time.sleep(0.1)  # a signal sets `interrupted` without waking the sleep
         for child in cluster.dead():
             report(f"warning: {child.name} exited with code {child.proc.returncode}; "
                    f"last lines:\n{child.tail()}")
@@ -181,4 +182,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -29,6 +29,7 @@ from pdserve.gateway.vllm_serve_args import (add_cors, add_vllm_serve_args,
                                              load_middleware, uvicorn_options)
 from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL
+from pdserve.process_exit import exit_now
 from pdserve.services.auth import API_KEY_ENV, Credentials, add_credential_args
 
 DEFAULT_PORT = 8000
@@ -209,4 +210,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

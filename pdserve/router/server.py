@@ -24,6 +24,7 @@ import grpc
 
 from pdserve.logging_setup import add_log_args, announce, setup_from_args
 from pdserve.models.loader import DEFAULT_MODEL, load_arch, load_tokenizer, resolve_model
+from pdserve.process_exit import exit_now
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
 from pdserve.router.channels import ChannelPool
 from pdserve.router.core import RouterCore
@@ -246,4 +247,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

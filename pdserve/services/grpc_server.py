@@ -78,7 +78,8 @@ class GrpcServer:
             # NOTE: a handler must take no lock (Event.set does): it runs between two
             # bytecodes of the main thread, which may hold that very lock.
             signal.signal(sig, lambda signum, _: signalled.append(signum))
-        while not signalled and not self._done.wait(0.5):
+        # The handler cannot wake the wait, so it polls: a stop starts within 0.1 s.
+        while not signalled and not self._done.wait(0.1):
             pass
         self.stop()
         on_stop()

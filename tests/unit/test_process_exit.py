@@ -1,0 +1,70 @@
+"""Ending a process with `exit_now`: atexit handlers and finalizers run, output is flushed,
+the status is the one given; the `pdserve` command ends that way; `pdserve up` sweeps dead
+instances' segments without importing torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+EXITING = """
+import atexit, logging, sys, weakref
+from pathlib import Path
+from pdserve.process_exit import exit_now
+
+out = Path(sys.argv[1])
+atexit.register(lambda: out.with_suffix(".atexit").write_text("ran"))
+class Segment: pass
+segment = Segment()
+weakref.finalize(segment, lambda: out.with_suffix(".finalized").write_text("ran"))
+logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+logging.getLogger("t").info("logged")
+sys.stdout.write("no newline, still buffered")
+exit_now(None if sys.argv[2] == "none" else int(sys.argv[2]))
+print("never printed")
+"""
+
+
+@pytest.mark.parametrize("code,status", [("3", 3), ("0", 0), ("none", 0)])
+def test_exit_now_runs_handlers_flushes_and_keeps_the_status(tmp_path, code, status):
+    out = tmp_path / "probe"
+    done = subprocess.run([sys.executable, "-c", EXITING, str(out), code],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == status
+    assert done.stdout == "no newline, still buffered"
+    assert "logged" in done.stderr
+    assert out.with_suffix(".atexit").read_text() == "ran"
+    assert out.with_suffix(".finalized").read_text() == "ran"
+
+
+def test_the_pdserve_command_ends_through_exit_now():
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "pdserve"]
+    assert script.value == "pdserve.cli:run"
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "--version"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip()
+
+
+def test_sweeping_segments_does_not_import_torch():
+    code = ("import sys\n"
+            "from pdserve.kv_transfer.shm_segment import sweep_stale_segments\n"
+            "sweep_stale_segments('/nonexistent')\n"
+            "print('torch' in sys.modules)\n"
+            "from pdserve.kv_transfer import KINDS, KVTransferError, make_transport\n"
+            "print(KINDS, KVTransferError.__name__, callable(make_transport))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["False", "('shm', 'tcp', 'nixl') KVTransferError True"]
+
+
+def test_an_unknown_name_of_the_transfer_package_is_an_attribute_error():
+    import pdserve.kv_transfer as kv_transfer
+
+    with pytest.raises(AttributeError, match="no_such_name"):
+        kv_transfer.no_such_name  # noqa: B018
+    with pytest.raises(ImportError):
+        exec("from pdserve.kv_transfer import no_such_name")
