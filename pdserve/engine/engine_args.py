@@ -94,6 +94,10 @@ class EngineArgs:
 
         resolved = resolve_model(self.model, self.revision)
         vllm_args.check_args(self, resolved)
+        # checked before the model's config is read: a bad value fails without that wait
+        cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
+                            self.gpu_memory_utilization, self.enable_prefix_caching,
+                            self.kv_cache_memory_fraction, self.kv_cache_prefault)
         arch = load_arch(resolved, self.hf_overrides)
         device = DeviceConfig.detect() if self.device == "auto" else DeviceConfig(self.device)
         max_len = self.max_model_len or arch.max_position_embeddings
@@ -111,9 +115,6 @@ class EngineArgs:
             sampling_defaults=defaults,
             max_tokens_cap=max_tokens_cap(defaults, self.generation_config,
                                           self.override_generation_config))
-        cache = CacheConfig(self.block_size, self.kv_cache_memory_bytes,
-                            self.gpu_memory_utilization, self.enable_prefix_caching,
-                            self.kv_cache_memory_fraction, self.kv_cache_prefault)
         prefill_cap, per_decode = (self.max_prefill_tokens_with_decodes,
                                    self.prefill_tokens_per_decode)
         if device.device == "cpu":

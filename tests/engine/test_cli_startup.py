@@ -3,6 +3,7 @@ loaded (exit 1), a bad flag value or model (exit 2); real `python -m pdserve.cli
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -73,16 +74,27 @@ def test_model_load_error_is_one_line_however_long(command, tiny_model_dir, tmp_
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--block-size", "3"], "error: block_size must be a power of two"),
     (["--tensor-parallel-size", "2"], "error: tensor_parallel_size"),
     (["--port", "70000"], "error: --port: must be in 0-65535, got 70000"),
     (["--host", "no-such-host.invalid", "--port", "8123"], "error: --host: cannot resolve"),
     (["--kv-cache-memory-bytes", str(1 << 50)],
      "error: KV cache: 1048576.00 GiB (--kv-cache-memory-bytes) does not fit in the "),
-    (["--kv-cache-memory-fraction", "2"], "error: kv_cache_memory_fraction "
-                                          "(--kv-cache-memory-fraction) must be in (0, 1]"),
 ])
 def test_bad_serve_flags_are_one_error_line(args, message, tiny_model_dir):
     result, _ = run_cli("serve", "--model", str(tiny_model_dir), "--port", "0",
                         "--kv-cache-memory-bytes", str(4 << 20), *args)
+    assert assert_one_error_line(result, 2).startswith(message)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--block-size", "3"], "error: block_size must be a power of two"),
+    (["--kv-cache-memory-fraction", "2"], "error: kv_cache_memory_fraction "
+                                          "(--kv-cache-memory-fraction) must be in (0, 1]"),
+])
+def test_cache_flags_are_checked_before_the_models_config_is_read(args, message,
+                                                                 tiny_model_dir, tmp_path):
+    """The config names a model type transformers does not know: reading it would fail."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "no-such-type"}))
+    result, _ = run_cli("serve", "--model", str(tmp_path), "--port", "0", *args)
     assert assert_one_error_line(result, 2).startswith(message)
