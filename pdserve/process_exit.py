@@ -10,14 +10,14 @@ from typing import NoReturn
 
 
 def exit_now(code: int | None) -> NoReturn:
-    """End the process with exit status `code` (None: 0, as `sys.exit` takes it): the atexit handlers run (weakref finalizers
-    among them: shared-memory segments are unlinked), logging's handlers and stdio are flushed,
-    and then the process ends without the interpreter's teardown.
+    """End the process with exit status `code` (None: 0, as `sys.exit` takes it): the atexit
+    handlers run (weakref finalizers among them: shared-memory segments are unlinked),
+    logging's handlers and stdio are flushed, and then the process ends without the
+    interpreter's teardown.
 
     That teardown frees the objects of every imported module one by one: 0.7 s of a core for
     a server that has loaded torch and transformers, spent after it has stopped serving (a
-    rolling restart waits for it), and with triton loaded it ends in nanobind's report of
-    "leaked" functions. Only for a process's own entry point: it never returns.
+    rolling restart waits for it). Only for a process's own entry point: it never returns.
     """
     try:
         atexit._run_exitfuncs()

@@ -9,6 +9,9 @@ token with certainty, so a draft d at a position whose sampling distribution is 
 probability p(d); the first refused draft is replaced by a draw from p without d (renormalized),
 and when every draft is kept the token after them is drawn from the distribution there. p is
 what the sampler draws from: temperature, then min_p, top_k and top_p (sampler.py).
+
+A request that asks for logprobs gets them for each kept draft and for the token after, from
+the row that chose it: the values one token at a time gives, as vLLM returns them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.sampler import Sampler, draw_tokens, sampling_probs
+from pdserve.engine.sampler import (SampleResult, Sampler, draw_tokens, sampling_probs,
+                                    token_logprobs)
 from pdserve.engine.step_records import ScheduledChunk
 from pdserve.kernels.cpu_argmax import argmax_rows
 
@@ -25,10 +29,11 @@ _SAMPLING_EPS = 1e-5
 
 
 def verify_drafts(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
-                  sampler: Sampler) -> list[tuple[list[int], int]]:
+                  sampler: Sampler) -> list[tuple[list[int], SampleResult]]:
     """logits: (sum of 1 + drafts, V'), each chunk's rows in order: its last known token's row,
     then one row per draft. Returns, per chunk, the drafts kept and the token that follows
-    them. Unseeded sampled rows draw from the sampler's engine generator."""
+    them (with the logprobs of both, where asked). Unseeded sampled rows draw from the
+    sampler's engine generator."""
     logits = logits[:, :sampler.vocab_size]  # (R, V)
     firsts, greedy_rows, sampled_rows = [], [], []
     row = 0
@@ -51,7 +56,30 @@ def verify_drafts(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
                                    sampler.generator(logits.device))
         for (i, _), result in zip(picked, tokens):
             results[i] = result
-    return results  # type: ignore[return-value]
+    return _with_logprobs(chunks, firsts, logits, results)  # type: ignore[arg-type]
+
+
+def _with_logprobs(chunks: Sequence[ScheduledChunk], firsts: list[int], logits: torch.Tensor,
+                   results: list[tuple[list[int], int]]) -> list[tuple[list[int], SampleResult]]:
+    """logits: (R, V) raw. Each chunk's result, with the logprobs of its kept drafts and of
+    the token after them from the rows that chose them, where its request asked."""
+    rows, tokens, params = [], [], []
+    for chunk, first, (kept, token) in zip(chunks, firsts, results):
+        p = chunk.request.sampling_params
+        if p.logprobs is not None:
+            rows.extend(range(first, first + len(kept) + 1))
+            tokens.extend((*kept, token))
+            params.extend([p] * (len(kept) + 1))
+    dicts = iter(token_logprobs(_rows(logits, rows), torch.tensor(tokens, device=logits.device),
+                                params) if rows else [])
+    out = []
+    for chunk, (kept, token) in zip(chunks, results):
+        if chunk.request.sampling_params.logprobs is None:
+            out.append((kept, SampleResult(token, None)))
+        else:
+            drafts = [next(dicts) for _ in kept]
+            out.append((kept, SampleResult(token, next(dicts), drafts)))
+    return out
 
 
 def _keep_equal(drafts: list[int], choices: list[int]) -> tuple[list[int], int]:

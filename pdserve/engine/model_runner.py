@@ -13,7 +13,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.draft_verifier import verify_drafts
 from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.pooling import pool_hidden
-from pdserve.engine.sampler import SampleResult, Sampler, prompt_logprobs
+from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.step_records import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from pdserve.kernels import native
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
@@ -79,9 +79,9 @@ class ModelRunner:
             for request, result in zip(sampled, self.sampler(logits[:len(sampled)], sampled)):
                 out.sampled[request.request_id] = result
             drafted = verify_drafts(verified, logits[len(sampled):], self.sampler)
-            for chunk, (kept, token) in zip(verified, drafted):
+            for chunk, (kept, result) in zip(verified, drafted):
                 out.accepted[chunk.request.request_id] = kept
-                out.sampled[chunk.request.request_id] = SampleResult(token, None)
+                out.sampled[chunk.request.request_id] = result
         return out
 
     def _prepare(self, chunks: list[ScheduledChunk]):

@@ -96,7 +96,6 @@ def speculates(request: Request) -> bool:
     p = request.sampling_params
     return bool(
         (p.temperature < _SAMPLING_EPS or p.seed is None)
-        and p.logprobs is None and p.prompt_logprobs is None
         and request.grammar is None and request.pooling_params is None
         and not p.logit_bias and p.allowed_token_ids is None and not request.bad_words_token_ids
         and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0

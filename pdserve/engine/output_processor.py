@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import SampleResult
 from pdserve.engine.step_records import ModelRunnerOutput
 from pdserve.outputs import (
     CompletionOutput,
@@ -117,10 +118,17 @@ class OutputProcessor:
                 request.stop_reason = stop
                 request.status = RequestStatus.FINISHED_STOPPED
             if seq.logprobs is not None and sample.logprobs is not None:
-                seq.logprobs.append(self._logprob_dict(sample.logprobs,
-                                                       request.sampling_params))
-                seq.cumulative_logprob += sample.logprobs[sample.token_id][0]
+                self._add_logprobs(seq, request, sample)
         return stopped
+
+    def _add_logprobs(self, seq: SequenceState, request: Request, sample: SampleResult) -> None:
+        """The logprobs of the step's tokens that stay in the output: kept drafts, then the
+        sampled token, up to where a stop token or stop string ended it."""
+        step = [*(sample.draft_logprobs or ()), sample.logprobs]
+        for raw in step[:request.num_output_tokens - len(seq.logprobs)]:
+            token = request.output_token_ids[len(seq.logprobs)]
+            seq.logprobs.append(self._logprob_dict(raw, request.sampling_params))
+            seq.cumulative_logprob += raw[token][0]
 
     def _detokenize(self, seq: SequenceState, request: Request) -> str | None:
         """Give the detokenizer the request's new output tokens (kept drafts, then the sampled

@@ -36,6 +36,8 @@ class SampleResult:
     token_id: int
     # token id -> (logprob, 1-based rank) under the raw logits; None unless logprobs requested.
     logprobs: dict[int, tuple[float, int]] | None
+    # with drafts (draft_verifier.py): the same for each kept draft, in order, before token_id
+    draft_logprobs: list[dict[int, tuple[float, int]]] | None = None
 
 
 class Sampler:
@@ -76,9 +78,7 @@ class Sampler:
         results = [SampleResult(t, None) for t in tokens.tolist()]
         idx = [i for i, want in enumerate(want_logprobs) if want]
         if idx:
-            ks = [params[i].logprobs for i in idx]
-            extra = [params[i].logprob_token_ids or [] for i in idx]
-            dicts = _logprob_dicts(raw[idx], tokens[idx], ks, extra)
+            dicts = token_logprobs(raw[idx], tokens[idx], [params[i] for i in idx])
             for i, d in zip(idx, dicts):
                 results[i].logprobs = d
         return results
@@ -323,6 +323,14 @@ def draw_tokens(probs: torch.Tensor, rows: Sequence[Request],
     if bool(missed.any()):
         tokens[missed] = probs[missed].argmax(dim=-1)
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   params: Sequence[SamplingParams]) -> list[dict[int, tuple[float, int]]]:
+    """logits: (n, V) raw; token_ids: (n,): the logprobs each row's request asked for (its
+    token, its `logprobs` most likely and its `logprob_token_ids`), as SampleResult holds them."""
+    return _logprob_dicts(logits, token_ids, [p.logprobs for p in params],
+                          [p.logprob_token_ids or [] for p in params])
 
 
 def _logprob_dicts(

@@ -77,7 +77,8 @@ class TcpTransport(KVTransport):
         self._peers: dict[tuple[str, int, str], socket.socket] = {}
         self._unresponsive = UnresponsivePeers(UNRESPONSIVE_HOLD_S)
 
-    def allocate_kv_cache(self, layout: KVLayout, device: str | torch.device = "cpu") -> torch.Tensor:
+    def allocate_kv_cache(self, layout: KVLayout,
+                          device: str | torch.device = "cpu") -> torch.Tensor:
         if self._kv_cache is not None:
             raise KVTransferError(f"tcp transport {self.engine_id!r} already has a KV cache")
         # (layers, 2, blocks, block_size, kv_heads, head_dim)
@@ -273,7 +274,8 @@ class TcpTransport(KVTransport):
                                           f"{length}-byte refusal (at most {MAX_ERROR_BYTES})")
                 if status != 0:  # refused (e.g. ids out of range); the connection stays usable
                     message = recv_exact(conn, length, deadline).decode(errors="replace")
-                    raise KVTransferError(f"producer {key[2]!r} at {key[0]}:{key[1]} refused: {message}")
+                    raise KVTransferError(
+                        f"producer {key[2]!r} at {key[0]}:{key[1]} refused: {message}")
                 if length != expected:
                     self._drop(key)
                     raise KVTransferError(f"producer sent {length} bytes, expected {expected}")

@@ -147,8 +147,8 @@ end
 """
 
 # ARGV: prefix, id, seq, value, ttl_ms, max_instances, max_blocks_per_instance, max_blocks,
-# ops... ('+h' stored, '-h' removed, '!' all cleared), DRAIN. Returns {applied (0/1), stored blocks or
-# instances left out}.
+# ops... ('+h' stored, '-h' removed, '!' all cleared), DRAIN. Returns {applied (0/1), stored
+# blocks or instances left out}.
 APPLY = PRELUDE + """
 local id, seq, val, ttl = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 sweep()

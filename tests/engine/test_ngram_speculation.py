@@ -160,18 +160,84 @@ def test_preemption_with_drafts_keeps_outputs(copying_model):
 
 
 def test_requests_that_do_not_speculate_are_unchanged(copying_model):
-    """Seeded sampling and logprobs requests draw exactly as in an engine without drafts."""
+    """Seeded sampling and penalized requests draw exactly as in an engine without drafts."""
     path, _ = copying_model
     prompt = TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9] * 3)
     params = [SamplingParams(temperature=0.8, seed=11, max_tokens=16),
-              SamplingParams(temperature=0, logprobs=2, max_tokens=16, ignore_eos=True)]
+              SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=16,
+                             ignore_eos=True)]
     results = []
     for spec in (None, NGRAM):
         llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, speculative_config=spec)
         outs = llm.generate([prompt, prompt], params, use_tqdm=False)
-        results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+        results.append([list(o.outputs[0].token_ids) for o in outs])
         assert counts(llm) == (0, 0, 0)
     assert results[0] == results[1]
+
+
+def assert_same_logprobs(got, want):
+    """Tokens, finish, logprobs (within float noise), ranks and prompt logprobs alike."""
+    g, w = got.outputs[0], want.outputs[0]
+    assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    assert len(g.logprobs) == len(g.token_ids)
+    pairs = list(zip(g.logprobs, w.logprobs)) + list(zip(got.prompt_logprobs or [],
+                                                         want.prompt_logprobs or []))
+    for a, b in pairs:
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert {t: e.rank for t, e in a.items()} == {t: e.rank for t, e in b.items()}
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+
+
+def test_logprobs_requests_draft_and_get_one_token_at_a_times_logprobs(smollm2_drafting,
+                                                                        smollm2_llm):
+    """Greedy requests asking for logprobs (with prompt logprobs, or with a stop string that
+    kept drafts run past) draft on SmolLM2, drafts kept and refused, and get what an engine
+    without drafts gives: tokens, text, a logprob entry per token with the same ranks and
+    values, the same cumulative logprob."""
+    tok = smollm2_drafting.get_tokenizer()
+    before = counts(smollm2_drafting)
+    for prompt in (tok.encode(t) for t in TEXTS):
+        [whole] = smollm2_llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+        text = whole.outputs[0].text
+        for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                      logprobs=3, prompt_logprobs=2),
+                       SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                      logprobs=1, stop=[text[len(text) // 2:][:3]])):
+            [want] = smollm2_llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                          use_tqdm=False)
+            [got] = smollm2_drafting.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                              use_tqdm=False)
+            assert_same_logprobs(got, want)
+    drafts, drafted, kept = (a - b for a, b in zip(counts(smollm2_drafting), before))
+    assert drafts > 0 and 0 < kept < drafted
+
+
+def test_sampled_requests_with_logprobs_draft_and_report_the_models_logprobs(copying_model):
+    """An unseeded sampled request with logprobs keeps drafts, and each output token's entry
+    holds transformers' log-softmax at its position for it and for the two likeliest tokens;
+    the cumulative logprob is their sum."""
+    path, hf = copying_model
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, speculative_config=NGRAM)
+    prompt = [5, 6, 7, 8, 9] * 3
+    [out] = llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+        temperature=0.8, max_tokens=16, logprobs=2, ignore_eos=True), use_tqdm=False)
+    assert counts(llm)[2] > 0
+    tokens, entries = list(out.outputs[0].token_ids), out.outputs[0].logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0], dim=-1)  # (T, V)
+    assert len(entries) == len(tokens) == 16
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(tokens, entries)):
+        row = ref[len(prompt) - 1 + i]  # (V,) the distribution this token was drawn from
+        top = row.topk(2)
+        assert set(top.indices.tolist()) | {token} == set(entry)
+        for t in entry:
+            assert entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4)
+        total += row[token].item()
+    assert out.outputs[0].cumulative_logprob == pytest.approx(total, abs=1e-3)
 
 
 def test_drafts_stay_in_the_step_budget_and_never_crowd_out_a_decode(copying_model):

@@ -73,3 +73,31 @@ def test_drafting_instances_give_colocated_tokens_and_count_their_drafts(cluster
     assert counts, f"no drafts counted in {WAIT_S} s"
     drafts, tokens, kept = counts[0]
     assert drafts > 0 and drafts <= tokens <= 3 * drafts and 0 < kept <= tokens
+
+
+def test_logprobs_through_drafting_instances_are_colocated_ones(cluster, copying_model_dir):
+    """Requests asking for logprobs draft on the decode instance too, and the gateway gives
+    a logprob for every token, those of a colocated engine without drafts."""
+    llm = LLM(str(copying_model_dir), kv_cache_memory_bytes=8 << 20)  # no drafts
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    backend = RouterBackend(cluster.router_address, str(copying_model_dir))
+    with TestClient(build_app(backend, "copy")) as client:
+        before = wait_for(lambda: draft_counters(client))
+        for prompt in ([5, 6, 7, 5, 6, 7, 5, 6, 9, 4], [13, 14, 15]):  # prefilled remotely, not
+            [want] = llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                  use_tqdm=False)
+            w = want.outputs[0]
+            r = client.post("/v1/completions", json={
+                "model": "copy", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True, "logprobs": 2})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == w.text
+            got = choice["logprobs"]["token_logprobs"]
+            assert got == pytest.approx([e[t].logprob for t, e in zip(w.token_ids, w.logprobs)],
+                                        abs=1e-4)
+            tops = choice["logprobs"]["top_logprobs"]
+            assert len(tops) == 16 and all(len(top) >= 2 for top in tops)
+        after = wait_for(lambda: [c for c in [draft_counters(client)]
+                                  if c and c[2] > before[2]])
+    assert after, f"no kept drafts counted in {WAIT_S} s"
