@@ -2,6 +2,7 @@
 argmax agrees with; sampled rows keep them by rejection sampling, whose tokens follow the
 distribution of sampling one token at a time (checked against the exact probabilities)."""
 
+import pytest
 import torch
 
 from pdserve.engine.draft_verifier import verify_drafts
@@ -18,6 +19,11 @@ def chunk(drafts, **params):
     return ScheduledChunk(request, 2, 1 + len(drafts), [0], list(drafts))
 
 
+def tokens(results):
+    """(kept drafts, the token after them) of each chunk."""
+    return [(kept, sample.token_id) for kept, sample in results]
+
+
 def reference_probs(logits, temperature, top_k):
     """Softmax of logits / temperature over the top_k tokens of each row: (R, V)."""
     keep = logits >= logits.topk(top_k, dim=-1).values[:, -1:]
@@ -32,7 +38,7 @@ def test_greedy_rows_keep_the_drafts_the_argmax_agrees_with():
     chunks = [chunk([3, 1], temperature=0), chunk([2, 5], temperature=0)]
     # first chunk: draft 3 agrees with row 0, draft 1 not with row 1's 4, so 4 follows
     # second chunk (rows 3-5): both drafts agree, and row 5's argmax 1 follows them
-    assert verify_drafts(chunks, logits, Sampler(VOCAB)) == [([3], 4), ([2, 5], 1)]
+    assert tokens(verify_drafts(chunks, logits, Sampler(VOCAB))) == [([3], 4), ([2, 5], 1)]
 
 
 def test_sampled_rows_follow_one_token_at_a_time():
@@ -50,8 +56,8 @@ def test_sampled_rows_follow_one_token_at_a_time():
     greedy = chunk([int(rows[0].argmax())], temperature=0)
     half = n // 2  # the greedy chunk between sampled ones: (3 half + 2 + 3 (n - half), V)
     logits = torch.cat([rows.repeat(half, 1), rows[:2], rows.repeat(n - half, 1)])
-    results = verify_drafts(sampled[:half] + [greedy] + sampled[half:], logits,
-                            Sampler(VOCAB, seed=5))
+    results = tokens(verify_drafts(sampled[:half] + [greedy] + sampled[half:], logits,
+                                   Sampler(VOCAB, seed=5)))
     assert results.pop(half) == ([int(rows[0].argmax())], int(rows[1].argmax()))
     emitted = [kept + [token] for kept, token in results]
     assert all(kept == drafts[:len(kept)] for kept, _ in results)
@@ -67,7 +73,30 @@ def test_sampled_rows_follow_one_token_at_a_time():
 
 def test_a_draft_outside_top_k_is_always_refused_and_never_drawn():
     rows = torch.tensor([[4.0, 3.0, 2.0, -5.0, 1.0, 0.0]] * 2)
-    results = verify_drafts([chunk([3], temperature=1.0, top_k=2) for _ in range(500)],
-                            rows.repeat(500, 1), Sampler(VOCAB))
+    results = tokens(verify_drafts([chunk([3], temperature=1.0, top_k=2) for _ in range(500)],
+                                   rows.repeat(500, 1), Sampler(VOCAB)))
     assert {kept == [] for kept, _ in results} == {True}
     assert {token for _, token in results} == {0, 1}
+
+
+def test_logprobs_come_from_the_rows_that_chose_each_token():
+    """A greedy chunk asking for 2 logprobs keeps one draft of two: the draft's entry and the
+    next token's are log-softmax of rows 0 and 1 (the refused draft's row 2 gives none); a
+    chunk that did not ask gets none."""
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(3))
+    best = logits.argmax(dim=-1).tolist()
+    wrong = (best[1] + 1) % VOCAB
+    asked = chunk([best[0], wrong], temperature=0, logprobs=2)
+    plain = chunk([best[3]], temperature=0)
+    (kept, sample), (_, other) = verify_drafts([asked, plain], logits, Sampler(VOCAB))
+    assert (kept, sample.token_id) == ([best[0]], best[1])
+    reference = torch.log_softmax(logits, dim=-1)  # (5, V)
+    entries = [*sample.draft_logprobs, sample.logprobs]
+    assert len(entries) == 2
+    for row, (token, entry) in enumerate(zip([best[0], best[1]], entries)):
+        top = reference[row].topk(2).indices.tolist()
+        assert set(entry) == {token, *top}
+        for t, (logprob, rank) in entry.items():
+            assert logprob == pytest.approx(reference[row, t].item(), abs=1e-6)
+            assert rank == int((reference[row] >= reference[row, t]).sum())
+    assert other.logprobs is None and other.draft_logprobs is None
