@@ -10,8 +10,10 @@ probability p(d); the first refused draft is replaced by a draw from p without d
 and when every draft is kept the token after them is drawn from the distribution there. p is
 what the sampler draws from: temperature, then min_p, top_k and top_p (sampler.py).
 
-A request that asks for logprobs gets them for each kept draft and for the token after, from
-the row that chose it: the values one token at a time gives, as vLLM returns them.
+Logits are checked after the request's logit_bias, allowed_token_ids, bad words and penalties,
+each row's as one token at a time would have them: its output followed by the drafts before
+the row. A request that asks for logprobs gets them for each kept draft and for the token
+after, from the raw logits of the row that chose it, as vLLM returns them.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.sampler import (SampleResult, Sampler, draw_tokens, sampling_probs,
-                                    token_logprobs)
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import (SampleResult, Sampler, changes_logits, draw_tokens,
+                                    sampling_probs, token_logprobs)
 from pdserve.engine.step_records import ScheduledChunk
 from pdserve.kernels.cpu_argmax import argmax_rows
 
@@ -34,7 +37,8 @@ def verify_drafts(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
     then one row per draft. Returns, per chunk, the drafts kept and the token that follows
     them (with the logprobs of both, where asked). Unseeded sampled rows draw from the
     sampler's engine generator."""
-    logits = logits[:, :sampler.vocab_size]  # (R, V)
+    logits = logits[:, :sampler.vocab_size]  # (R, V) raw
+    checked = _processed(chunks, logits, sampler)  # (R, V) what each row's token comes from
     firsts, greedy_rows, sampled_rows = [], [], []
     row = 0
     for chunk in chunks:
@@ -45,14 +49,14 @@ def verify_drafts(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
         row += n
     results: list[tuple[list[int], int] | None] = [None] * len(chunks)
     if greedy_rows:
-        best = dict(zip(greedy_rows, argmax_rows(_rows(logits, greedy_rows)).tolist()))
+        best = dict(zip(greedy_rows, argmax_rows(_rows(checked, greedy_rows)).tolist()))
         for i, chunk in enumerate(chunks):
             if firsts[i] in best:
                 choices = [best[firsts[i] + j] for j in range(len(chunk.draft_token_ids) + 1)]
                 results[i] = _keep_equal(chunk.draft_token_ids, choices)
     if sampled_rows:
         picked = [(i, c) for i, c in enumerate(chunks) if results[i] is None]
-        tokens = _rejection_sample([c for _, c in picked], _rows(logits, sampled_rows),
+        tokens = _rejection_sample([c for _, c in picked], _rows(checked, sampled_rows),
                                    sampler.generator(logits.device))
         for (i, _), result in zip(picked, tokens):
             results[i] = result
@@ -80,6 +84,31 @@ def _with_logprobs(chunks: Sequence[ScheduledChunk], firsts: list[int], logits: 
             drafts = [next(dicts) for _ in kept]
             out.append((kept, SampleResult(token, next(dicts), drafts)))
     return out
+
+
+class _DraftRow:
+    """A drafted chunk's request as one of its rows sees it: the request's output followed by
+    the drafts before the row (what penalties, bad words and min_tokens read)."""
+
+    __slots__ = ("request", "output_token_ids")
+
+    def __init__(self, request: Request, output_token_ids: list[int]):
+        self.request = request
+        self.output_token_ids = output_token_ids
+
+    def __getattr__(self, name: str):
+        return getattr(self.request, name)
+
+
+def _processed(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
+               sampler: Sampler) -> torch.Tensor:
+    """logits: (R, V) raw. The same rows after each request's masks, biases and penalties,
+    or `logits` itself when no request has any."""
+    if not any(changes_logits(chunk.request) for chunk in chunks):
+        return logits
+    rows = [_DraftRow(c.request, [*c.request.output_token_ids, *c.draft_token_ids[:j]])
+            for c in chunks for j in range(len(c.draft_token_ids) + 1)]
+    return sampler.process_logits(logits, rows)  # (R, V) float32
 
 
 def _keep_equal(drafts: list[int], choices: list[int]) -> tuple[list[int], int]:

@@ -92,14 +92,13 @@ _NGRAM_NAMES = ("ngram", "[ngram]")
 def speculates(request: Request) -> bool:
     """Whether drafts checked against the request's logits give what one token at a time
     would: its next token is the argmax of its logits (greedy) or an unseeded draw from them
-    after temperature, min_p, top_k and top_p, with nothing else changing them."""
+    after its biases, masks and penalties and temperature, min_p, top_k and top_p (the
+    verifier gives each row those of its place), with no grammar and past min_tokens."""
     p = request.sampling_params
     return bool(
         (p.temperature < _SAMPLING_EPS or p.seed is None)
         and request.grammar is None and request.pooling_params is None
-        and not p.logit_bias and p.allowed_token_ids is None and not request.bad_words_token_ids
-        and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-        and p.presence_penalty == 0.0 and request.num_output_tokens >= p.min_tokens)
+        and request.num_output_tokens >= p.min_tokens)
 
 
 def propose_drafts(running: list[Request], config: SpeculativeConfig | None,

@@ -63,7 +63,7 @@ class Sampler:
         params = [row.sampling_params for row in rows]
         greedy = [p.temperature < _SAMPLING_EPS for p in params]
         want_logprobs = [p.logprobs is not None for p in params]
-        needs_processing = any(_needs_processing(row) for row in rows)
+        needs_processing = any(map(changes_logits, rows))
 
         if all(greedy) and not needs_processing and not any(want_logprobs):
             return [SampleResult(t, None) for t in argmax_rows(logits).tolist()]
@@ -108,7 +108,8 @@ def prompt_logprobs(
     return out
 
 
-def _needs_processing(row: Request) -> bool:
+def changes_logits(row: Request) -> bool:
+    """Whether `process_logits` changes the row's logits (masks, biases, penalties, grammar)."""
     p = row.sampling_params
     return bool(
         row.grammar is not None

@@ -160,12 +160,12 @@ def test_preemption_with_drafts_keeps_outputs(copying_model):
 
 
 def test_requests_that_do_not_speculate_are_unchanged(copying_model):
-    """Seeded sampling and penalized requests draw exactly as in an engine without drafts."""
+    """Seeded sampling, and greedy requests until min_tokens, draw exactly as in an engine
+    without drafts."""
     path, _ = copying_model
     prompt = TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9] * 3)
     params = [SamplingParams(temperature=0.8, seed=11, max_tokens=16),
-              SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=16,
-                             ignore_eos=True)]
+              SamplingParams(temperature=0, min_tokens=16, max_tokens=16, ignore_eos=True)]
     results = []
     for spec in (None, NGRAM):
         llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, speculative_config=spec)
@@ -324,3 +324,31 @@ def test_sampled_requests_draft_and_follow_transformers_distribution(copying_mod
     assert chi2 < 13.8, (seen, p * len(after))  # 2 degrees of freedom, p = 0.001
     drafts, drafted, kept = counts(llm)
     assert drafts > 0 and 0 < kept < drafted
+
+
+def test_penalized_biased_and_masked_requests_draft_and_keep_their_tokens(smollm2_drafting,
+                                                                         smollm2_llm):
+    """Greedy SmolLM2 requests with a repetition, presence or frequency penalty, a logit bias,
+    bad words or allowed token ids draft, and give the tokens of an engine without drafts:
+    each row is checked with the penalties and masks of its place."""
+    tok = smollm2_drafting.get_tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    [plain] = smollm2_llm.generate(TokensPrompt(prompt_token_ids=prompts[0]), SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    first = plain.outputs[0].token_ids
+    greedy = dict(temperature=0, max_tokens=32, ignore_eos=True)
+    cases = [SamplingParams(**greedy, repetition_penalty=1.05),
+             SamplingParams(**greedy, presence_penalty=0.3, frequency_penalty=0.2),
+             SamplingParams(**greedy, logit_bias={first[3]: -100.0}),
+             SamplingParams(**greedy, bad_words=[tok.decode(first[5:7])]),
+             SamplingParams(**greedy, allowed_token_ids=sorted(set(sum(prompts, []))))]
+    for params in cases:
+        before = counts(smollm2_drafting)
+        for prompt in prompts:
+            [want] = smollm2_llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                          use_tqdm=False)
+            [got] = smollm2_drafting.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                              use_tqdm=False)
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids, params
+        drafts, _, kept = (a - b for a, b in zip(counts(smollm2_drafting), before))
+        assert drafts > 0 and kept > 0, params

@@ -100,3 +100,22 @@ def test_logprobs_come_from_the_rows_that_chose_each_token():
             assert logprob == pytest.approx(reference[row, t].item(), abs=1e-6)
             assert rank == int((reference[row] >= reference[row, t]).sum())
     assert other.logprobs is None and other.draft_logprobs is None
+
+
+def test_sampled_rows_are_checked_after_biases_and_penalties():
+    """A logit bias of +100 on token 2 makes it certain: a sampled draft of 2 is always kept
+    and 2 follows, a draft of 3 always refused. Token 2 leads the raw logits by 5, but a
+    frequency penalty of 2 on an output holding it ten times puts it 15 behind: it is never
+    drawn."""
+    rows = torch.zeros(2, VOCAB)
+    biased = [chunk([d], temperature=1.0, logit_bias={2: 100.0}) for d in (2, 3)] * 100
+    results = tokens(verify_drafts(biased, rows.repeat(200, 1), Sampler(VOCAB)))
+    assert results == [([2], 2), ([], 2)] * 100
+    penalized = []
+    for _ in range(200):
+        c = chunk([4], temperature=1.0, frequency_penalty=2.0)
+        c.request.output_token_ids.extend([2] * 10)
+        penalized.append(c)
+    rows[:, 2] = 5.0
+    results = tokens(verify_drafts(penalized, rows.repeat(200, 1), Sampler(VOCAB)))
+    assert {token for _, token in results} <= {0, 1, 3, 4, 5}
