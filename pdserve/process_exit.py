@@ -17,7 +17,9 @@ def exit_now(code: int | None) -> NoReturn:
 
     That teardown frees the objects of every imported module one by one: 0.7 s of a core for
     a server that has loaded torch and transformers, spent after it has stopped serving (a
-    rolling restart waits for it). Only for a process's own entry point: it never returns.
+    rolling restart waits for it). Threads still running are not waited for (the servers
+    stop theirs before their `main` returns). Only for a process's own entry point: it never
+    returns.
     """
     try:
         atexit._run_exitfuncs()

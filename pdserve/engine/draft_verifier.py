@@ -104,11 +104,22 @@ def _processed(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
                sampler: Sampler) -> torch.Tensor:
     """logits: (R, V) raw. The same rows after each request's masks, biases and penalties,
     or `logits` itself when no request has any."""
-    if not any(changes_logits(chunk.request) for chunk in chunks):
+    rows: list[int] = []
+    views: list[_DraftRow] = []
+    first = 0
+    for c in chunks:
+        n = len(c.draft_token_ids) + 1
+        if changes_logits(c.request):
+            rows.extend(range(first, first + n))
+            views.extend(_DraftRow(c.request, [*c.request.output_token_ids,
+                                               *c.draft_token_ids[:j]]) for j in range(n))
+        first += n
+    if not rows:
         return logits
-    rows = [_DraftRow(c.request, [*c.request.output_token_ids, *c.draft_token_ids[:j]])
-            for c in chunks for j in range(len(c.draft_token_ids) + 1)]
-    return sampler.process_logits(logits, rows)  # (R, V) float32
+    out = logits.to(torch.float32, copy=True)  # (R, V)
+    at = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    out[at] = sampler.process_logits(logits[at], views)
+    return out
 
 
 def _keep_equal(drafts: list[int], choices: list[int]) -> tuple[list[int], int]:

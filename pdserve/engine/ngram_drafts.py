@@ -13,8 +13,10 @@ a refused one costs a row of arithmetic.
 
 Sampled sequences without a seed speculate too: their drafts are kept by rejection sampling,
 so their tokens follow the distribution of sampling one at a time (draft_verifier.py).
-Sampled sequences with a seed (each of whose draws depends on its position alone) and
-sequences with logprobs, penalties, biases, masks or grammars do not (`speculates`). A stop
+Penalties, biases and masks apply to each drafted row as at its place, and logprobs come from
+the rows that chose the tokens (draft_verifier.py). Sampled sequences with a seed (each of
+whose draws depends on its position alone), sequences with a grammar and those short of
+min_tokens do not speculate (`speculates`). A stop
 string completed inside kept drafts ends the output there (output_processor.py). A sequence
 whose drafts keep failing backs off: after a draft is rejected outright it proposes none for
 1, 2, 4 ... (at most MAX_BACKOFF_STEPS) steps, and one accepted draft resets that.

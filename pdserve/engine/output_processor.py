@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import SampleResult
 from pdserve.engine.step_records import ModelRunnerOutput
 from pdserve.outputs import (
     CompletionOutput,
@@ -118,15 +117,17 @@ class OutputProcessor:
                 request.stop_reason = stop
                 request.status = RequestStatus.FINISHED_STOPPED
             if seq.logprobs is not None and sample.logprobs is not None:
-                self._add_logprobs(seq, request, sample)
+                kept = result.accepted.get(request.request_id, [])
+                self._add_logprobs(seq, request, [*kept, sample.token_id],
+                                   [*(sample.draft_logprobs or ()), sample.logprobs])
         return stopped
 
-    def _add_logprobs(self, seq: SequenceState, request: Request, sample: SampleResult) -> None:
-        """The logprobs of the step's tokens that stay in the output: kept drafts, then the
-        sampled token, up to where a stop token or stop string ended it."""
-        step = [*(sample.draft_logprobs or ()), sample.logprobs]
-        for raw in step[:request.num_output_tokens - len(seq.logprobs)]:
-            token = request.output_token_ids[len(seq.logprobs)]
+    def _add_logprobs(self, seq: SequenceState, request: Request, tokens: list[int],
+                      entries: list[dict[int, tuple[float, int]]]) -> None:
+        """The logprobs of the step's tokens (kept drafts, then the sampled one; `entries` one
+        for each) that stay in the output, up to where a stop token or stop string ended it."""
+        stays = request.num_output_tokens - len(seq.logprobs)
+        for token, raw in list(zip(tokens, entries))[:stays]:
             seq.logprobs.append(self._logprob_dict(raw, request.sampling_params))
             seq.cumulative_logprob += raw[token][0]
 

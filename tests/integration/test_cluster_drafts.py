@@ -46,6 +46,19 @@ def wait_for(read):
     return value
 
 
+def settled(read, pause_s: float = 2.5):
+    """read()'s value once two reads `pause_s` apart agree (the router hears the instances'
+    counters with their heartbeats, every second), within WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    last = read()
+    while time.monotonic() < deadline:
+        time.sleep(pause_s)
+        if (now := read()) == last:
+            return now
+        last = now
+    return last
+
+
 def draft_counters(client) -> tuple[float, ...] | None:
     """The gateway's three draft counters, or None when it shows none."""
     counts = tuple(metric(client, f"{name}_total") for name in NAMES)
@@ -82,7 +95,7 @@ def test_logprobs_through_drafting_instances_are_colocated_ones(cluster, copying
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     backend = RouterBackend(cluster.router_address, str(copying_model_dir))
     with TestClient(build_app(backend, "copy")) as client:
-        before = wait_for(lambda: draft_counters(client))
+        before = settled(lambda: draft_counters(client))
         for prompt in ([5, 6, 7, 5, 6, 7, 5, 6, 9, 4], [13, 14, 15]):  # prefilled remotely, not
             [want] = llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
                                   use_tqdm=False)

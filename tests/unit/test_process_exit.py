@@ -40,12 +40,23 @@ def test_exit_now_runs_handlers_flushes_and_keeps_the_status(tmp_path, code, sta
     assert out.with_suffix(".finalized").read_text() == "ran"
 
 
-def test_the_pdserve_command_ends_through_exit_now():
+def test_the_pdserve_command_ends_through_exit_now(tmp_path):
+    """`run` (the console script) ends the process with main's status, after the atexit
+    handlers; it never returns."""
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "pdserve"]
     assert script.value == "pdserve.cli:run"
-    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "--version"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.strip()
+    marker = tmp_path / "atexit"
+    code = ("import atexit, pathlib, sys\n"
+            f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'ran')\n"
+            "sys.argv = ['pdserve', 'serve', '--port', '70000']\n"
+            "from pdserve.cli import run\n"
+            "run()\n"
+            "print('returned')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--port" in done.stderr
+    assert "returned" not in done.stdout
+    assert marker.read_text() == "ran"
 
 
 def test_sweeping_segments_does_not_import_torch():
