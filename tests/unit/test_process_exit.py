@@ -28,11 +28,16 @@ print("never printed")
 """
 
 
+def python_c(code: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c code args...` in a fresh interpreter, its output captured."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=120)
+
+
 @pytest.mark.parametrize("code,status", [("3", 3), ("0", 0), ("none", 0)])
 def test_exit_now_runs_handlers_flushes_and_keeps_the_status(tmp_path, code, status):
     out = tmp_path / "probe"
-    done = subprocess.run([sys.executable, "-c", EXITING, str(out), code],
-                          capture_output=True, text=True, timeout=60)
+    done = python_c(EXITING, str(out), code)
     assert done.returncode == status
     assert done.stdout == "no newline, still buffered"
     assert "logged" in done.stderr
@@ -46,28 +51,24 @@ def test_the_pdserve_command_ends_through_exit_now(tmp_path):
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "pdserve"]
     assert script.value == "pdserve.cli:run"
     marker = tmp_path / "atexit"
-    code = ("import atexit, pathlib, sys\n"
-            f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'ran')\n"
-            "sys.argv = ['pdserve', 'serve', '--port', '70000']\n"
-            "from pdserve.cli import run\n"
-            "run()\n"
-            "print('returned')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    done = python_c("import atexit, pathlib, sys\n"
+                    f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'ran')\n"
+                    "sys.argv = ['pdserve', 'serve', '--port', '70000']\n"
+                    "from pdserve.cli import run\n"
+                    "run()\n"
+                    "print('returned')\n")
     assert done.returncode == 2 and "--port" in done.stderr
     assert "returned" not in done.stdout
     assert marker.read_text() == "ran"
 
 
 def test_sweeping_segments_does_not_import_torch():
-    code = ("import sys\n"
-            "from pdserve.kv_transfer.shm_segment import sweep_stale_segments\n"
-            "sweep_stale_segments('/nonexistent')\n"
-            "print('torch' in sys.modules)\n"
-            "from pdserve.kv_transfer import KINDS, KVTransferError, make_transport\n"
-            "print(KINDS, KVTransferError.__name__, callable(make_transport))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    done = python_c("import sys\n"
+                    "from pdserve.kv_transfer.shm_segment import sweep_stale_segments\n"
+                    "sweep_stale_segments('/nonexistent')\n"
+                    "print('torch' in sys.modules)\n"
+                    "from pdserve.kv_transfer import KINDS, KVTransferError, make_transport\n"
+                    "print(KINDS, KVTransferError.__name__, callable(make_transport))\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["False", "('shm', 'tcp', 'nixl') KVTransferError True"]
 
