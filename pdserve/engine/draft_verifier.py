@@ -10,9 +10,9 @@ probability p(d); the first refused draft is replaced by a draw from p without d
 and when every draft is kept the token after them is drawn from the distribution there. p is
 what the sampler draws from: temperature, then min_p, top_k and top_p (sampler.py).
 
-Logits are checked after the request's logit_bias, allowed_token_ids, bad words and penalties,
-each row's as one token at a time would have them: its output followed by the drafts before
-the row. A request that asks for logprobs gets them for each kept draft and for the token
+Logits are checked after the request's logit_bias, allowed_token_ids, bad words, penalties and
+grammar, each row's as one token at a time would have them: its output followed by the drafts
+before the row. A request that asks for logprobs gets them for each kept draft and for the token
 after, from the raw logits of the row that chose it, as vLLM returns them.
 """
 
@@ -88,13 +88,16 @@ def _with_logprobs(chunks: Sequence[ScheduledChunk], firsts: list[int], logits: 
 
 class _DraftRow:
     """A drafted chunk's request as one of its rows sees it: the request's output followed by
-    the drafts before the row (what penalties, bad words and min_tokens read)."""
+    the drafts before the row (what penalties, bad words and min_tokens read), and its grammar
+    after those drafts."""
 
-    __slots__ = ("request", "output_token_ids")
+    __slots__ = ("request", "output_token_ids", "grammar")
 
-    def __init__(self, request: Request, output_token_ids: list[int]):
+    def __init__(self, request: Request, drafts_before: list[int]):
         self.request = request
-        self.output_token_ids = output_token_ids
+        self.output_token_ids = [*request.output_token_ids, *drafts_before]
+        grammar = request.grammar
+        self.grammar = grammar.after(drafts_before) if grammar is not None else None
 
     def __getattr__(self, name: str):
         return getattr(self.request, name)
@@ -111,8 +114,7 @@ def _processed(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
         n = len(c.draft_token_ids) + 1
         if changes_logits(c.request):
             rows.extend(range(first, first + n))
-            views.extend(_DraftRow(c.request, [*c.request.output_token_ids,
-                                               *c.draft_token_ids[:j]]) for j in range(n))
+            views.extend(_DraftRow(c.request, c.draft_token_ids[:j]) for j in range(n))
         first += n
     if not rows:
         return logits

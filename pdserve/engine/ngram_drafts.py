@@ -13,10 +13,11 @@ a refused one costs a row of arithmetic.
 
 Sampled sequences without a seed speculate too: their drafts are kept by rejection sampling,
 so their tokens follow the distribution of sampling one at a time (draft_verifier.py).
-Penalties, biases and masks apply to each drafted row as at its place, and logprobs come from
-the rows that chose the tokens (draft_verifier.py). Sampled sequences with a seed (each of
-whose draws depends on its position alone), sequences with a grammar and those short of
-min_tokens do not speculate (`speculates`). A stop
+Penalties, biases, masks and grammars apply to each drafted row as at its place, and logprobs
+come from the rows that chose the tokens (draft_verifier.py); a sequence with a grammar drafts
+only what its grammar accepts (vLLM cuts drafts the same way). Sampled sequences with a seed
+(each of whose draws depends on its position alone) and those short of min_tokens do not
+speculate (`speculates`). A stop
 string completed inside kept drafts ends the output there (output_processor.py). A sequence
 whose drafts keep failing backs off: after a draft is rejected outright it proposes none for
 1, 2, 4 ... (at most MAX_BACKOFF_STEPS) steps, and one accepted draft resets that.
@@ -94,12 +95,12 @@ _NGRAM_NAMES = ("ngram", "[ngram]")
 def speculates(request: Request) -> bool:
     """Whether drafts checked against the request's logits give what one token at a time
     would: its next token is the argmax of its logits (greedy) or an unseeded draw from them
-    after its biases, masks and penalties and temperature, min_p, top_k and top_p (the
-    verifier gives each row those of its place), with no grammar and past min_tokens."""
+    after its biases, masks, penalties and grammar and temperature, min_p, top_k and top_p
+    (the verifier gives each row those of its place), past min_tokens."""
     p = request.sampling_params
     return bool(
         (p.temperature < _SAMPLING_EPS or p.seed is None)
-        and request.grammar is None and request.pooling_params is None
+        and request.pooling_params is None
         and request.num_output_tokens >= p.min_tokens)
 
 
@@ -117,7 +118,10 @@ def propose_drafts(running: list[Request], config: SpeculativeConfig | None,
             max_tokens = request.sampling_params.max_tokens or max_model_len
             limit = min(max_tokens - request.num_output_tokens,
                         max_model_len - request.num_tokens) - 1
-            if draft := request.drafts.propose(request.all_token_ids, limit):
+            draft = request.drafts.propose(request.all_token_ids, limit)
+            if draft and request.grammar is not None:
+                draft = draft[:request.grammar.accepted_prefix(draft)]
+            if draft:
                 drafts[request.request_id] = draft
     return drafts
 

@@ -7,6 +7,10 @@ xgrammar matcher advanced over every token the sequence already has (tokens samp
 remote prefill, or streamed before a migration) and then over each token it samples. At each
 step `apply_grammar_masks` sets the logits of the tokens the grammar forbids to -inf for the
 constrained rows only; the other rows of the batch are untouched.
+
+Drafted sequences (ngram_drafts.py) keep only the drafts their grammar accepts
+(`GrammarState.accepted_prefix`), and each drafted row is masked as the grammar stands after
+the drafts before it (`GrammarState.after`): the matcher advances over them and rolls back.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
@@ -95,6 +100,64 @@ class GrammarState:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from where the sequence
+        stands (none once it is complete); the state is left as it was."""
+        if not self.active:
+            return 0
+        with self.advanced(tokens) as accepted:
+            return accepted
+
+    def after(self, tokens: Sequence[int]) -> GrammarState | _GrammarAfter:
+        """This state as a row that follows `tokens` (drafts it accepts) sees it."""
+        return _GrammarAfter(self, tokens) if tokens else self
+
+    @contextmanager
+    def advanced(self, tokens: Sequence[int]) -> Iterator[int]:
+        """The matcher advanced over the longest accepted prefix of `tokens` (its length is
+        yielded), rolled back on exit."""
+        accepted = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            accepted += 1
+        try:
+            yield accepted
+        finally:
+            if accepted:
+                self._matcher.rollback(accepted)
+
+
+class _GrammarAfter:
+    """A sequence's grammar as one of its drafted rows sees it: after the drafts before the
+    row (which the grammar accepted when they were proposed). What apply_grammar_masks reads."""
+
+    __slots__ = ("state", "tokens")
+
+    def __init__(self, state: GrammarState, tokens: Sequence[int]):
+        self.state, self.tokens = state, tokens
+
+    @property
+    def active(self) -> bool:
+        return self.state.active
+
+    @property
+    def error(self) -> str | None:
+        return self.state.error
+
+    @error.setter
+    def error(self, value: str | None) -> None:
+        self.state.error = value
+
+    @property
+    def is_terminated(self) -> bool:
+        with self.state.advanced(self.tokens):
+            return self.state.is_terminated
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        with self.state.advanced(self.tokens):
+            self.state.fill_bitmask(bitmask, row)
 
 
 class StructuredOutputManager:

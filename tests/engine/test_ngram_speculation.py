@@ -3,12 +3,16 @@ greedy decoding one token at a time (transformers' generate), through the native
 and the module path, with drafts both kept and refused, under preemption, with stop tokens
 and when streaming."""
 
+import json
+import re
+
+import jsonschema
 import pytest
 import torch
 from hf_reference import hf_greedy
 from transformers import AutoModelForCausalLM
 
-from pdserve import LLM, SamplingParams, TokensPrompt
+from pdserve import LLM, SamplingParams, StructuredOutputsParams, TokensPrompt
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import RequestOutputKind
 
@@ -352,3 +356,41 @@ def test_penalized_biased_and_masked_requests_draft_and_keep_their_tokens(smollm
             assert got.outputs[0].token_ids == want.outputs[0].token_ids, params
         drafts, _, kept = (a - b for a, b in zip(counts(smollm2_drafting), before))
         assert drafts > 0 and kept > 0, params
+
+
+COLORS = {"type": "array", "minItems": 3, "maxItems": 5, "items": {
+    "type": "object", "required": ["color", "count"], "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9}}}}
+
+
+def test_constrained_requests_draft_and_keep_their_tokens(smollm2_drafting, smollm2_llm):
+    """Requests with a JSON schema or a regex draft what their grammar accepts: greedy ones
+    give an undrafted engine's tokens, sampled ones always match (jsonschema), with drafts
+    kept in both."""
+    prompts = ["List colors with counts as JSON: red 1, green 2, blue 3, red 4.",
+               "Count the colors red, green, blue, red, green, blue as JSON."]
+    regex = r"(red|green|blue)( (red|green|blue)){5,8}\."
+    cases = [(StructuredOutputsParams(json=COLORS, disable_any_whitespace=True),
+              lambda t: jsonschema.validate(json.loads(t), COLORS)),
+             (StructuredOutputsParams(regex=regex), lambda t: re.fullmatch(regex, t) or 1 / 0)]
+    for constraint, check in cases:
+        greedy = SamplingParams(temperature=0, max_tokens=80, structured_outputs=constraint)
+        before = counts(smollm2_drafting)
+        want = smollm2_llm.generate(prompts, greedy, use_tqdm=False)
+        got = smollm2_drafting.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        for out in got:
+            assert out.outputs[0].finish_reason == "stop"
+            check(out.outputs[0].text)
+        drafts, _, kept = (a - b for a, b in zip(counts(smollm2_drafting), before))
+        assert drafts > 0 and kept > 0, constraint
+        before = counts(smollm2_drafting)
+        sampled = SamplingParams(temperature=0.8, n=4, max_tokens=80,
+                                 structured_outputs=constraint)
+        for out in smollm2_drafting.generate(prompts, sampled, use_tqdm=False):
+            for completion in out.outputs:
+                assert completion.finish_reason == "stop", completion.text
+                check(completion.text)
+        drafts, _, kept = (a - b for a, b in zip(counts(smollm2_drafting), before))
+        assert drafts > 0 and kept > 0, constraint

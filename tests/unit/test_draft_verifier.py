@@ -4,6 +4,7 @@ distribution of sampling one token at a time (checked against the exact probabil
 
 import pytest
 import torch
+from structured_fixtures import toy_grammar
 
 from pdserve.engine.draft_verifier import verify_drafts
 from pdserve.engine.request import Request
@@ -119,3 +120,24 @@ def test_sampled_rows_are_checked_after_biases_and_penalties():
     rows[:, 2] = 5.0
     results = tokens(verify_drafts(penalized, rows.repeat(200, 1), Sampler(VOCAB)))
     assert {token for _, token in results} <= {0, 1, 3, 4, 5}
+
+
+def test_constrained_rows_are_masked_as_their_grammar_stands_after_the_drafts_before_them():
+    """Grammar "abc" (tokens 0, 1, 2, then the end, 5), drafts a, b. Each row's raw argmax is
+    one the grammar forbids there (x, then a twice), so only the mask of each row's own place
+    gives a, b, c: greedy keeps both drafts and takes c; sampled rows never leave the grammar.
+    Verifying leaves the matcher where it was."""
+    logits = torch.zeros(3, VOCAB)  # rows: before a, after a, after a b
+    logits[0, 3], logits[1:, 0] = 9.0, 9.0
+    logits[0, 0], logits[1, 1], logits[2, 2] = 5.0, 5.0, 5.0
+    greedy = chunk([0, 1], temperature=0)
+    greedy.request.grammar = toy_grammar("abc")
+    assert tokens(verify_drafts([greedy], logits, Sampler(VOCAB))) == [([0, 1], 2)]
+    sampled = []
+    for drafts in ([0, 1], [0, 2]) * 50:  # the second draft c is refused: b is drawn
+        sampled.append(chunk(drafts, temperature=1.0))
+        sampled[-1].request.grammar = toy_grammar("abc")
+    results = tokens(verify_drafts(sampled, logits.repeat(100, 1), Sampler(VOCAB)))
+    assert results == [([0, 1], 2), ([0], 1)] * 50
+    state = greedy.request.grammar
+    assert state.accepted_prefix([0, 1, 2, 5]) == 4 and not state.is_terminated

@@ -2,9 +2,11 @@
 speculative_config as pdserve reads it."""
 
 import pytest
+from structured_fixtures import toy_grammar
 
 from pdserve.engine.engine_args import EngineArgs
-from pdserve.engine.ngram_drafts import NgramDrafts, SpeculativeConfig, speculates
+from pdserve.engine.ngram_drafts import (NgramDrafts, SpeculativeConfig, propose_drafts,
+                                         speculates)
 from pdserve.engine.request import Request
 from pdserve.sampling_params import SamplingParams
 
@@ -120,3 +122,16 @@ def test_a_short_period_repeats():
     loop instead of stopping at the sequence's end."""
     assert drafts(k=5).propose([4, 9, 9, 9], 5) == [9, 9, 9, 9, 9]
     assert drafts(k=5).propose([1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
+
+
+def test_a_constrained_request_drafts_only_what_its_grammar_accepts():
+    """The sequence a b c a b proposes c a b; each grammar keeps the drafts it accepts from
+    where the output stands, in order, and none past its end."""
+    config = SpeculativeConfig(3, 1, 2)
+    for regex, want in (("cab", [2, 0, 1]), ("ca", [2, 0]), ("c", [2]), ("c*x", [2]),
+                        ("x", None)):
+        request = Request("r", [0, 1, 2, 0, 1], SamplingParams(temperature=0, max_tokens=9))
+        request.num_computed_tokens = 4  # decoding: the last token is next to compute
+        request.grammar = toy_grammar(regex)
+        assert propose_drafts([request], config, 64).get("r") == want, regex
+        assert request.grammar.accepted_prefix([2, 0, 1]) == len(want or []), regex
