@@ -3,17 +3,24 @@
 A greedy sequence keeps its drafts up to the first that is not the argmax before it, and takes
 the argmax after the last kept one: the tokens of decoding one token at a time.
 
-A sampled sequence (temperature > 0, no seed) keeps them by rejection sampling, so its tokens
-follow the distribution of sampling one token at a time. A prompt-lookup draft proposes one
-token with certainty, so a draft d at a position whose sampling distribution is p is kept with
-probability p(d); the first refused draft is replaced by a draw from p without d (renormalized),
-and when every draft is kept the token after them is drawn from the distribution there. p is
-what the sampler draws from: temperature, then min_p, top_k and top_p (sampler.py).
+A sampled sequence with a seed draws each row's token as one token at a time draws it there
+(the generator of its seed and that output position, request.py) and keeps its drafts up to
+the first that differs from the draw: its tokens are those of decoding one at a time with that
+seed, however many drafts each step had room for. A draft d is then kept with probability
+p(d), as rejection sampling keeps it.
 
-Logits are checked after the request's logit_bias, allowed_token_ids, bad words, penalties and
-grammar, each row's as one token at a time would have them: its output followed by the drafts
-before the row. A request that asks for logprobs gets them for each kept draft and for the token
-after, from the raw logits of the row that chose it, as vLLM returns them.
+A sampled sequence without a seed keeps them by rejection sampling, so its tokens follow the
+distribution of sampling one token at a time. A prompt-lookup draft proposes one token with
+certainty, so a draft d at a position whose sampling distribution is p is kept with
+probability p(d); the first refused draft is replaced by a draw from p without d
+(renormalized), and when every draft is kept the token after them is drawn from the
+distribution there. p is what the sampler draws from: temperature, then min_p, top_k and
+top_p (sampler.py).
+
+Logits are checked after the request's logit_bias, allowed_token_ids, bad words, min_tokens,
+penalties and grammar, each row's as one token at a time would have them: its output followed
+by the drafts before the row. A request that asks for logprobs gets them for each kept draft
+and for the token after, from the raw logits of the row that chose it, as vLLM returns them.
 """
 
 from __future__ import annotations
@@ -36,24 +43,38 @@ def verify_drafts(chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
     """logits: (sum of 1 + drafts, V'), each chunk's rows in order: its last known token's row,
     then one row per draft. Returns, per chunk, the drafts kept and the token that follows
     them (with the logprobs of both, where asked). Unseeded sampled rows draw from the
-    sampler's engine generator."""
+    sampler's engine generator, seeded ones from their own."""
     logits = logits[:, :sampler.vocab_size]  # (R, V) raw
     checked = _processed(chunks, logits, sampler)  # (R, V) what each row's token comes from
-    firsts, greedy_rows, sampled_rows = [], [], []
+    firsts, greedy_rows, seeded_rows, sampled_rows = [], [], [], []
+    seeded_views: list[_DraftRow] = []  # one per seeded row: its place in the output
     row = 0
     for chunk in chunks:
         firsts.append(row)
         n = len(chunk.draft_token_ids) + 1
-        is_greedy = chunk.request.sampling_params.temperature < _SAMPLING_EPS
-        (greedy_rows if is_greedy else sampled_rows).extend(range(row, row + n))
+        p = chunk.request.sampling_params
+        if p.temperature < _SAMPLING_EPS:
+            greedy_rows.extend(range(row, row + n))
+        elif p.seed is None:
+            sampled_rows.extend(range(row, row + n))
+        else:
+            seeded_rows.extend(range(row, row + n))
+            seeded_views.extend(_DraftRow(chunk.request, chunk.draft_token_ids[:j])
+                                for j in range(n))
         row += n
-    results: list[tuple[list[int], int] | None] = [None] * len(chunks)
+    choices = {}  # row -> the token one at a time takes there
     if greedy_rows:
-        best = dict(zip(greedy_rows, argmax_rows(_rows(checked, greedy_rows)).tolist()))
-        for i, chunk in enumerate(chunks):
-            if firsts[i] in best:
-                choices = [best[firsts[i] + j] for j in range(len(chunk.draft_token_ids) + 1)]
-                results[i] = _keep_equal(chunk.draft_token_ids, choices)
+        choices.update(zip(greedy_rows, argmax_rows(_rows(checked, greedy_rows)).tolist()))
+    if seeded_rows:
+        probs = sampling_probs(_rows(checked, seeded_rows).to(torch.float32),
+                               [v.sampling_params for v in seeded_views])  # (S, V)
+        drawn = draw_tokens(probs, seeded_views, sampler.generator(logits.device))  # (S,)
+        choices.update(zip(seeded_rows, drawn.tolist()))
+    results: list[tuple[list[int], int] | None] = [None] * len(chunks)
+    for i, chunk in enumerate(chunks):
+        if firsts[i] in choices:
+            at = [choices[firsts[i] + j] for j in range(len(chunk.draft_token_ids) + 1)]
+            results[i] = _keep_equal(chunk.draft_token_ids, at)
     if sampled_rows:
         picked = [(i, c) for i, c in enumerate(chunks) if results[i] is None]
         tokens = _rejection_sample([c for _, c in picked], _rows(checked, sampled_rows),
@@ -88,8 +109,8 @@ def _with_logprobs(chunks: Sequence[ScheduledChunk], firsts: list[int], logits: 
 
 class _DraftRow:
     """A drafted chunk's request as one of its rows sees it: the request's output followed by
-    the drafts before the row (what penalties, bad words and min_tokens read), and its grammar
-    after those drafts."""
+    the drafts before the row (what penalties, bad words and min_tokens read), its grammar
+    after those drafts, and the seeded generator of the row's output position."""
 
     __slots__ = ("request", "output_token_ids", "grammar")
 
@@ -98,6 +119,12 @@ class _DraftRow:
         self.output_token_ids = [*request.output_token_ids, *drafts_before]
         grammar = request.grammar
         self.grammar = grammar.after(drafts_before) if grammar is not None else None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    next_draw_generator = Request.next_draw_generator  # at num_output_tokens: the row's place
 
     def __getattr__(self, name: str):
         return getattr(self.request, name)

@@ -11,16 +11,17 @@ Each kept draft saves a step's share of the fixed costs and most of a pass over 
 keys and values (the decode attention reads a sequence's rows one after another, from cache);
 a refused one costs a row of arithmetic.
 
-Sampled sequences without a seed speculate too: their drafts are kept by rejection sampling,
-so their tokens follow the distribution of sampling one at a time (draft_verifier.py).
+Sampled sequences speculate too: with a seed, each row draws what one token at a time draws
+at its place and the drafts are kept while they equal those draws (the same tokens as without
+drafts); without one, drafts are kept by rejection sampling, so the tokens follow the
+distribution of sampling one at a time (draft_verifier.py).
 Penalties, biases, masks and grammars apply to each drafted row as at its place, and logprobs
 come from the rows that chose the tokens (draft_verifier.py); a sequence with a grammar drafts
-only what its grammar accepts (vLLM cuts drafts the same way). Sampled sequences with a seed
-(each of whose draws depends on its position alone) and those short of min_tokens do not
-speculate (`speculates`). A stop
-string completed inside kept drafts ends the output there (output_processor.py). A sequence
-whose drafts keep failing backs off: after a draft is rejected outright it proposes none for
-1, 2, 4 ... (at most MAX_BACKOFF_STEPS) steps, and one accepted draft resets that.
+only what its grammar accepts (vLLM cuts drafts the same way); below min_tokens each row
+forbids the stop tokens as its place does. A stop string completed inside kept drafts ends
+the output there (output_processor.py). A sequence whose drafts keep failing backs off:
+after a draft is rejected outright it proposes none for 1, 2, 4 ... (at most
+MAX_BACKOFF_STEPS) steps, and one accepted draft resets that.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 MAX_BACKOFF_STEPS = 32
 MAX_SPECULATIVE_TOKENS = 16
-_SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -93,15 +93,11 @@ _NGRAM_NAMES = ("ngram", "[ngram]")
 
 
 def speculates(request: Request) -> bool:
-    """Whether drafts checked against the request's logits give what one token at a time
-    would: its next token is the argmax of its logits (greedy) or an unseeded draw from them
-    after its biases, masks, penalties and grammar and temperature, min_p, top_k and top_p
-    (the verifier gives each row those of its place), past min_tokens."""
-    p = request.sampling_params
-    return bool(
-        (p.temperature < _SAMPLING_EPS or p.seed is None)
-        and request.pooling_params is None
-        and request.num_output_tokens >= p.min_tokens)
+    """Whether the request drafts: every generating request does. Its next token is the
+    argmax of its logits (greedy) or a draw from them after its biases, masks, penalties,
+    min_tokens and grammar and temperature, min_p, top_k and top_p, and the verifier gives
+    each row those of its place (and a seeded row its place's draw)."""
+    return request.pooling_params is None
 
 
 def propose_drafts(running: list[Request], config: SpeculativeConfig | None,

@@ -163,20 +163,41 @@ def test_preemption_with_drafts_keeps_outputs(copying_model):
     assert engine.num_free_blocks == engine.num_blocks and engine.kv_manager.num_requests == 0
 
 
-def test_requests_that_do_not_speculate_are_unchanged(copying_model):
-    """Seeded sampling, and greedy requests until min_tokens, draw exactly as in an engine
-    without drafts."""
+def test_seeded_requests_draft_and_draw_what_one_at_a_time_draws(copying_model):
+    """Seeded sampled requests draft, keep some drafts and refuse others, and give the tokens
+    of an engine without drafts."""
     path, _ = copying_model
     prompt = TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9] * 3)
-    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=16),
-              SamplingParams(temperature=0, min_tokens=16, max_tokens=16, ignore_eos=True)]
+    seeded = [SamplingParams(temperature=2.0, top_k=3, seed=seed, max_tokens=24,
+                             ignore_eos=True) for seed in range(8)]
     results = []
     for spec in (None, NGRAM):
         llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, speculative_config=spec)
-        outs = llm.generate([prompt, prompt], params, use_tqdm=False)
-        results.append([list(o.outputs[0].token_ids) for o in outs])
-        assert counts(llm) == (0, 0, 0)
+        outs = llm.generate([prompt] * 8, seeded, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+        drafts, drafted, kept = counts(llm)
+        assert (drafts == 0) if spec is None else (0 < kept < drafted)
     assert results[0] == results[1]
+    assert len(set(map(tuple, results[0]))) > 1  # the seeds draw differently
+
+
+def test_min_tokens_requests_draft_and_end_where_one_at_a_time_ends(smollm2_drafting,
+                                                                   smollm2_llm):
+    """Chat replies that end within a few tokens, held to 40 by min_tokens (with a stop
+    string met before then): the tokens, text and finish reason of an engine without drafts,
+    with drafts kept."""
+    chats = [[{"role": "user", "content": "Say hi."}],
+             [{"role": "user", "content": "Reply with one word: yes or no."}]]
+    params = SamplingParams(temperature=0, max_tokens=60, min_tokens=40, stop=["!"])
+    before = counts(smollm2_drafting)
+    want = smollm2_llm.chat(chats, params, use_tqdm=False)
+    got = smollm2_drafting.chat(chats, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+        assert len(g.token_ids) >= 40
+    drafts, _, kept = (a - b for a, b in zip(counts(smollm2_drafting), before))
+    assert drafts > 0 and kept > 0
 
 
 def assert_same_logprobs(got, want):

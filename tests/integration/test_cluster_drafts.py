@@ -67,19 +67,20 @@ def draft_counters(client) -> tuple[float, ...] | None:
 
 def test_drafting_instances_give_colocated_tokens_and_count_their_drafts(cluster,
                                                                          copying_model_dir):
+    """Greedy and seeded sampled requests, disaggregated and not."""
     llm = LLM(str(copying_model_dir), kv_cache_memory_bytes=8 << 20)  # no drafts
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     backend = RouterBackend(cluster.router_address, str(copying_model_dir))
     with TestClient(build_app(backend, "copy")) as client:
         assert draft_counters(client) == (0, 0, 0)  # shown: the instances draft
         for prompt in ([5, 6, 7, 5, 6, 7, 5, 6, 9], [11, 12]):  # disaggregated, decode only
-            want = llm.generate(TokensPrompt(prompt_token_ids=prompt), greedy,
-                                use_tqdm=False)[0].outputs[0].text
-            r = client.post("/v1/completions", json={
-                "model": "copy", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
+            for sampling in ({"temperature": 0}, {"temperature": 2.0, "top_k": 3, "seed": 7}):
+                want = llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+                    max_tokens=16, ignore_eos=True, **sampling), use_tqdm=False)
+                r = client.post("/v1/completions", json={
+                    "model": "copy", "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
+                    **sampling})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == want[0].outputs[0].text, sampling
             if len(prompt) >= THRESHOLD:  # its KV came from the prefill instance
                 assert wait_for(lambda: metric(client, "kv_transfer_bytes_total"))
         counts = wait_for(lambda: [c for c in [draft_counters(client)] if c and c[0] > 0])

@@ -141,3 +141,39 @@ def test_constrained_rows_are_masked_as_their_grammar_stands_after_the_drafts_be
     assert results == [([0, 1], 2), ([0], 1)] * 50
     state = greedy.request.grammar
     assert state.accepted_prefix([0, 1, 2, 5]) == 4 and not state.is_terminated
+
+
+def test_seeded_rows_keep_drafts_while_they_equal_one_at_a_times_draws():
+    """Seeded chunks at temperature 1 with drafts 2, 4 after an output of two tokens: for each
+    of 200 seeds, the kept drafts and the token after them are what sampling one token at a
+    time with that seed draws (each output position from its own generator), up to the first
+    draw that differs from a draft. Drafts are kept none, one and both times."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits[0, 2] = logits[1, 4] = 2.0  # (3, V) likely enough to be kept, not always
+    chunks = []
+    for seed in range(200):
+        chunks.append(chunk([2, 4], temperature=1.0, seed=seed))
+        chunks[-1].request.output_token_ids.extend([1, 0])
+    results = tokens(verify_drafts(chunks, logits.repeat(200, 1), Sampler(VOCAB)))
+    for seed, result in enumerate(results):
+        alone = Request("r", [1, 2, 3], SamplingParams(temperature=1.0, seed=seed))
+        alone.output_token_ids.extend([1, 0])
+        for row, draft in enumerate([2, 4, None]):
+            token = Sampler(VOCAB)(logits[row:row + 1], [alone])[0].token_id
+            if token != draft:
+                break
+            alone.output_token_ids.append(token)
+        assert result == (alone.output_token_ids[2:], token), seed
+    assert {len(kept) for kept, _ in results} == {0, 1, 2}
+
+
+def test_rows_below_min_tokens_forbid_the_end_and_rows_past_it_allow_it():
+    """min_tokens 3 after two output tokens, drafts 1, 2; the end token 5 leads every row.
+    Row 0 (the third token) may not end, so draft 1 (next best) is kept; row 1 (the fourth)
+    may, so the end follows instead of draft 2."""
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 5], logits[0, 1], logits[1, 2] = 9.0, 5.0, 5.0
+    held = chunk([1, 2], temperature=0, min_tokens=3)
+    held.request.eos_token_id = 5
+    held.request.output_token_ids.extend([0, 0])
+    assert tokens(verify_drafts([held], logits, Sampler(VOCAB))) == [([1], 5)]

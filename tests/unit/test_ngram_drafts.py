@@ -8,6 +8,7 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.ngram_drafts import (NgramDrafts, SpeculativeConfig, propose_drafts,
                                          speculates)
 from pdserve.engine.request import Request
+from pdserve.pooling_params import PoolingParams
 from pdserve.sampling_params import SamplingParams
 
 
@@ -85,11 +86,12 @@ def test_bad_speculative_config_names_the_field(value, field):
         SpeculativeConfig.from_vllm(value)
 
 
-def test_greedy_and_unseeded_sampled_requests_speculate_and_no_others():
+def test_every_generating_request_speculates():
     def request(**kw):
         return Request("r", [1, 2, 3], SamplingParams(**kw))
 
     assert speculates(request(temperature=0))
+    assert speculates(request(temperature=0.7, seed=3))  # each row draws its place's draw
     assert speculates(request(temperature=0, stop=["x"]))  # cut where it ends (processor)
     assert speculates(request(temperature=0, seed=3))
     assert speculates(request(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))
@@ -98,8 +100,10 @@ def test_greedy_and_unseeded_sampled_requests_speculate_and_no_others():
     for kw in ({"logit_bias": {5: 1.0}}, {"repetition_penalty": 1.2},
                {"presence_penalty": 0.5}, {"allowed_token_ids": [1, 2]}):
         assert speculates(request(temperature=0, **kw))  # rows checked as processed
-    for kw in ({"temperature": 0.7, "seed": 3}, {"temperature": 0, "min_tokens": 4}):
-        assert not speculates(request(**kw)), kw
+    assert speculates(request(temperature=0, min_tokens=4))  # rows forbid the stop tokens
+    pooled = request(temperature=0)
+    pooled.pooling_params = PoolingParams()
+    assert not speculates(pooled)
 
 
 def test_command_line_flag(tiny_model_dir):
