@@ -103,16 +103,23 @@ def serve_http(app, host: str, port: int, log_level: str = "info", **options) ->
     description = getattr(app.state, "description", None)
     if description:
         logger.info("serving %s; OpenAI API on %s/v1", description, url)
-    announce(f"pdserve gateway listening on {url}")
     options = {"log_level": log_level, **options}
     config = uvicorn.Config(app, access_log=options["log_level"] in ("debug", "trace"),
                             log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             **options)
-    # uvicorn stops gracefully on SIGTERM/SIGINT, then re-sends the signal to the handler it
-    # found: make that a no-op, so a requested stop exits 0 like the other pdserve servers.
+    server = uvicorn.Server(config)
+
+    def stop(*_) -> None:
+        server.should_exit = True
+
+    # A SIGTERM/SIGINT before uvicorn takes the signals over stops it as soon as it has
+    # started (app startup, then shutdown); uvicorn re-sends the signals it caught to this
+    # handler when it ends, where they change nothing: a requested stop exits 0 like the
+    # other pdserve servers.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run(sockets=[sock])
+        signal.signal(sig, stop)
+    announce(f"pdserve gateway listening on {url}")
+    server.run(sockets=[sock])
     return 0
 
 

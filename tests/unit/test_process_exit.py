@@ -1,6 +1,7 @@
 """Ending a process with `exit_now`: atexit handlers and finalizers run, output is flushed,
 the status is the one given; the `pdserve` command ends that way; `pdserve up` sweeps dead
-instances' segments without importing torch."""
+instances' segments without importing torch; a gateway stopped as soon as it says it listens
+exits 0."""
 
 from __future__ import annotations
 
@@ -80,3 +81,27 @@ def test_an_unknown_name_of_the_transfer_package_is_an_attribute_error():
         kv_transfer.no_such_name  # noqa: B018
     with pytest.raises(ImportError):
         exec("from pdserve.kv_transfer import no_such_name")
+
+
+STOPPED_AT_ONCE = """
+import os, signal, sys
+from starlette.applications import Starlette
+from pdserve.gateway import server
+said = server.announce
+def announce_then_stop(message):  # the signal lands as a supervisor reads the line
+    said(message)
+    os.kill(os.getpid(), signal.SIGTERM)
+server.announce = announce_then_stop
+status = server.serve_http(Starlette(), "127.0.0.1", 0)
+print("served", status)
+sys.exit(status)
+"""
+
+
+def test_a_gateway_stopped_as_it_says_it_listens_ends_cleanly():
+    """SIGTERM right after the "listening" line, before uvicorn has taken the signals over:
+    the server starts, shuts down and exits 0 instead of dying of the signal."""
+    done = python_c(STOPPED_AT_ONCE)
+    assert done.returncode == 0, done.stderr
+    assert "gateway listening on http://127.0.0.1:" in done.stdout + done.stderr
+    assert "served 0" in done.stdout
