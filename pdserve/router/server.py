@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -153,8 +153,8 @@ class RouterServer:
         self.core.close()
         self.index.close()
 
-    def serve_until_signal(self) -> None:
-        self.grpc.serve_until_signal(on_stop=self._close)
+    def serve_until_signal(self, ready: Callable[[], None] = lambda: None) -> None:
+        self.grpc.serve_until_signal(on_stop=self._close, ready=ready)
 
 
 def add_cli(subparsers) -> None:
@@ -234,8 +234,7 @@ def run_router(args: argparse.Namespace) -> int:
     logger.info("router serving %s; gRPC on %s, prefix index %s, instances %s", args.model,
                 router.address, "in Redis" if args.redis_url else "in memory",
                 " ".join(args.prefill + args.decode) or "by heartbeat")
-    announce(f"router listening on {router.address}")
-    router.serve_until_signal()
+    router.serve_until_signal(ready=lambda: announce(f"router listening on {router.address}"))
     return 0
 
 

@@ -70,14 +70,17 @@ class GrpcServer:
         self._exit_code = 1
         self._done.set()
 
-    def serve_until_signal(self, on_stop: Callable[[], None] = lambda: None) -> int:
+    def serve_until_signal(self, on_stop: Callable[[], None] = lambda: None,
+                           ready: Callable[[], None] = lambda: None) -> int:
         """Block until SIGTERM or SIGINT (exit code 0) or `fail()` (1), then stop the server
-        and run `on_stop`; returns the exit code."""
+        and run `on_stop`; returns the exit code. `ready` runs once the signals are caught
+        (where a server says it listens: a supervisor may stop it from then on)."""
         signalled: list[int] = []
         for sig in (signal.SIGTERM, signal.SIGINT):
             # NOTE: a handler must take no lock (Event.set does): it runs between two
             # bytecodes of the main thread, which may hold that very lock.
             signal.signal(sig, lambda signum, _: signalled.append(signum))
+        ready()
         # The handler cannot wake the wait, so it polls: a stop starts within 0.1 s.
         while not signalled and not self._done.wait(0.1):
             pass

@@ -207,5 +207,5 @@ def run_instance(role: str, args: argparse.Namespace, register) -> int:
                 instance.instance_id, instance.engine.describe(), instance.address,
                 args.connector, args.router or "none",
                 ", prefix index in Redis" if args.redis_url else "")
-    announce(f"{role} {instance.instance_id} listening on {instance.address}")
-    return instance.server.serve_until_signal(on_stop=instance.stop)
+    return instance.server.serve_until_signal(on_stop=instance.stop, ready=lambda: announce(
+        f"{role} {instance.instance_id} listening on {instance.address}"))

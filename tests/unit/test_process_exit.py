@@ -98,10 +98,32 @@ sys.exit(status)
 """
 
 
+ROUTER_STOPPED_AT_ONCE = """
+import os, signal, sys
+from pdserve.router import server
+said = server.announce
+def announce_then_stop(message):
+    said(message)
+    os.kill(os.getpid(), signal.SIGTERM)
+server.announce = announce_then_stop
+status = server.main(["--grpc-port", "0", "--model", sys.argv[1]])
+print("served", status)
+sys.exit(status)
+"""
+
+
 def test_a_gateway_stopped_as_it_says_it_listens_ends_cleanly():
     """SIGTERM right after the "listening" line, before uvicorn has taken the signals over:
     the server starts, shuts down and exits 0 instead of dying of the signal."""
     done = python_c(STOPPED_AT_ONCE)
     assert done.returncode == 0, done.stderr
     assert "gateway listening on http://127.0.0.1:" in done.stdout + done.stderr
+    assert "served 0" in done.stdout
+
+
+def test_a_router_stopped_as_it_says_it_listens_ends_cleanly(tiny_model_dir):
+    """The gRPC servers (router, instances) catch the signals before they say they listen."""
+    done = python_c(ROUTER_STOPPED_AT_ONCE, str(tiny_model_dir))
+    assert done.returncode == 0, done.stderr
+    assert "router listening on 127.0.0.1:" in done.stdout + done.stderr
     assert "served 0" in done.stdout
