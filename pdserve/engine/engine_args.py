@@ -263,10 +263,10 @@ _HELP = {
                          "model's generation_config.json), vllm (none), or a folder",
     "speculative_config": "JSON of vLLM's speculative decoding settings; method ngram "
                           "(prompt lookup) only, e.g. {\"method\": \"ngram\", "
-                          "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}: greedy "
-                          "and unseeded sampled requests compute drafted tokens in the same "
-                          "step and keep those the model confirms (greedy: the same output; "
-                          "sampled: the same distribution) (default: off)",
+                          "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}: requests "
+                          "compute drafted tokens in the same step and keep those the model "
+                          "confirms (greedy and seeded: the same output; unseeded sampled: "
+                          "the same distribution) (default: off)",
     "override_generation_config": "JSON of generation config fields set on top, e.g. "
                                   "{\"temperature\": 0.5}",
     "quantization": "none, or gguf for a .gguf model (dequantized when loaded)",

@@ -118,11 +118,11 @@ class GrammarState:
         """The matcher advanced over the longest accepted prefix of `tokens` (its length is
         yielded), rolled back on exit."""
         accepted = 0
-        for token in tokens:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
-                break
-            accepted += 1
         try:
+            for token in tokens:
+                if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                    break
+                accepted += 1
             yield accepted
         finally:
             if accepted:
@@ -131,7 +131,9 @@ class GrammarState:
 
 class _GrammarAfter:
     """A sequence's grammar as one of its drafted rows sees it: after the drafts before the
-    row (which the grammar accepted when they were proposed). What apply_grammar_masks reads."""
+    row (which the grammar accepted when they were proposed). What apply_grammar_masks reads.
+    Were a draft not accepted, its own row would forbid it, so it could not be kept and the
+    rows after it, masked after the accepted ones only, could not matter."""
 
     __slots__ = ("state", "tokens")
 

@@ -85,6 +85,7 @@ def test_an_unknown_name_of_the_transfer_package_is_an_attribute_error():
 
 STOPPED_AT_ONCE = """
 import os, signal, sys
+from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from pdserve.gateway import server
 said = server.announce
@@ -92,7 +93,12 @@ def announce_then_stop(message):  # the signal lands as a supervisor reads the l
     said(message)
     os.kill(os.getpid(), signal.SIGTERM)
 server.announce = announce_then_stop
-status = server.serve_http(Starlette(), "127.0.0.1", 0)
+@asynccontextmanager
+async def lifespan(app):
+    print("app started", flush=True)
+    yield
+    print("app shut down", flush=True)
+status = server.serve_http(Starlette(lifespan=lifespan), "127.0.0.1", 0)
 print("served", status)
 sys.exit(status)
 """
@@ -118,7 +124,7 @@ def test_a_gateway_stopped_as_it_says_it_listens_ends_cleanly():
     done = python_c(STOPPED_AT_ONCE)
     assert done.returncode == 0, done.stderr
     assert "gateway listening on http://127.0.0.1:" in done.stdout + done.stderr
-    assert "served 0" in done.stdout
+    assert "app started\napp shut down\nserved 0" in done.stdout
 
 
 def test_a_router_stopped_as_it_says_it_listens_ends_cleanly(tiny_model_dir):
