@@ -6,6 +6,9 @@ against the same batch unconstrained, and the time to compile a schema cold and 
   a JSON schema (a compact array of `--items` small integers, long enough that every output
   runs to max_tokens), so both batches generate the same number of tokens and the ratio is the
   masking's cost alone. The two batches alternate `--rounds` times in one process; medians.
+- With `--speculative-config JSON` (vLLM's, e.g. n-gram drafts), a second engine with drafts
+  runs the same two batches in the same rounds, and the ratios with and without drafts are
+  reported; greedy outputs must be the same tokens in both engines.
 - Compile: `--schemas` distinct schemas (an object with 8 typed properties, each schema with
   different property names) compiled through the engine's StructuredOutputManager: cold
   (first sight) and cached (the same schema again). The tokenizer's one-time setup is
@@ -43,7 +46,7 @@ def object_schema(i: int) -> dict:
     return {"type": "object", "properties": props, "required": list(props)}
 
 
-def throughput(llm: LLM, args) -> dict:
+def throughput(llm: LLM, args, drafting: LLM | None = None) -> dict:
     tok = llm.get_tokenizer()
     ids = tok.encode(TEXT, add_special_tokens=False)
     prompts = [{"prompt_token_ids": ids[i * 7:i * 7 + args.prompt_len]}
@@ -55,19 +58,31 @@ def throughput(llm: LLM, args) -> dict:
     batches = {"unconstrained": [free] * len(prompts),
                "half_json_schema": [constrained if i % 2 else free
                                     for i in range(len(prompts))]}
-    llm.generate(prompts[:2], [free, constrained], use_tqdm=False)  # warm up, compile once
-    runs: dict[str, list[float]] = {name: [] for name in batches}
+    engines = {"": llm} if drafting is None else {"": llm, ", drafts": drafting}
+    for engine in engines.values():  # warm up, compile once
+        engine.generate(prompts[:2], [free, constrained], use_tqdm=False)
+    runs: dict[str, list[float]] = {name + e: [] for name in batches for e in engines}
     for _ in range(args.rounds):
         for name, params in batches.items():
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            assert tokens == args.max_tokens * len(prompts), "an output ended early"
-            runs[name].append(tokens / seconds)
+            tokens_of = {}
+            for e, engine in engines.items():
+                start = time.perf_counter()
+                outs = engine.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                tokens_of[e] = [o.outputs[0].token_ids for o in outs]
+                tokens = sum(map(len, tokens_of[e]))
+                assert tokens == args.max_tokens * len(prompts), "an output ended early"
+                runs[name + e].append(tokens / seconds)
+            assert all(t == tokens_of[""] for t in tokens_of.values()), "drafts changed tokens"
     med = {name: statistics.median(v) for name, v in runs.items()}
-    return {"tok_per_s": runs, "median_tok_per_s": med,
-            "ratio_half_constrained": med["half_json_schema"] / med["unconstrained"]}
+    result = {"tok_per_s": runs, "median_tok_per_s": med,
+              "ratio_half_constrained": med["half_json_schema"] / med["unconstrained"]}
+    if drafting is not None:
+        sched = drafting.llm_engine.scheduler
+        result |= {"ratio_drafts": {name: med[name + ", drafts"] / med[name] for name in batches},
+                   "drafts": {"verified": sched.num_drafts, "tokens": sched.num_draft_tokens,
+                              "kept": sched.num_accepted_tokens}}
+    return result
 
 
 def compile_times(llm: LLM, args) -> dict:
@@ -96,11 +111,16 @@ def main() -> None:
     p.add_argument("--items", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--schemas", type=int, default=10)
+    p.add_argument("--speculative-config", default=None,
+                   help="vLLM's speculative_config (JSON) for a second engine, with drafts")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     llm = LLM(args.model, kv_cache_memory_bytes=512 << 20)
+    drafting = None if args.speculative_config is None else LLM(
+        args.model, kv_cache_memory_bytes=512 << 20, speculative_config=args.speculative_config)
     result = {"command": " ".join(sys.argv), "load_before": os.getloadavg(),
-              "compile": compile_times(llm, args), "throughput": throughput(llm, args),
+              "compile": compile_times(llm, args),
+              "throughput": throughput(llm, args, drafting),
               "load_after": os.getloadavg(), "cpus": os.cpu_count()}
     text = json.dumps(result, indent=1)
     print(text)
