@@ -4,13 +4,14 @@ the gateway's /metrics sums the instances' draft counters, as vLLM names them.""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from pdserve import LLM, SamplingParams, TokensPrompt
+from pdserve import LLM, SamplingParams, StructuredOutputsParams, TokensPrompt
 from pdserve.cluster import Cluster, ClusterSpec
 from pdserve.gateway.app import build_app
 from pdserve.gateway.router_backend import RouterBackend
@@ -67,20 +68,26 @@ def draft_counters(client) -> tuple[float, ...] | None:
 
 def test_drafting_instances_give_colocated_tokens_and_count_their_drafts(cluster,
                                                                          copying_model_dir):
-    """Greedy and seeded sampled requests, disaggregated and not."""
+    """Greedy, seeded sampled and constrained requests, disaggregated and not."""
     llm = LLM(str(copying_model_dir), kv_cache_memory_bytes=8 << 20)  # no drafts
     backend = RouterBackend(cluster.router_address, str(copying_model_dir))
+    regex = "(cat |dog ){5}"
+    cases = [({"temperature": 0}, {}), ({"temperature": 2.0, "top_k": 3, "seed": 7}, {}),
+             ({"temperature": 0}, {"structured_outputs": StructuredOutputsParams(regex=regex)})]
     with TestClient(build_app(backend, "copy")) as client:
         assert draft_counters(client) == (0, 0, 0)  # shown: the instances draft
         for prompt in ([5, 6, 7, 5, 6, 7, 5, 6, 9], [11, 12]):  # disaggregated, decode only
-            for sampling in ({"temperature": 0}, {"temperature": 2.0, "top_k": 3, "seed": 7}):
+            for sampling, constraint in cases:
                 want = llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
-                    max_tokens=16, ignore_eos=True, **sampling), use_tqdm=False)
+                    max_tokens=16, ignore_eos=not constraint, **sampling, **constraint),
+                    use_tqdm=False)[0].outputs[0].text
                 r = client.post("/v1/completions", json={
-                    "model": "copy", "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
-                    **sampling})
+                    "model": "copy", "prompt": prompt, "max_tokens": 16,
+                    "ignore_eos": not constraint, **sampling,
+                    **({"structured_outputs": {"regex": regex}} if constraint else {})})
                 assert r.status_code == 200, r.text
-                assert r.json()["choices"][0]["text"] == want[0].outputs[0].text, sampling
+                assert r.json()["choices"][0]["text"] == want, (sampling, constraint)
+                assert not constraint or re.fullmatch(regex, want)
             if len(prompt) >= THRESHOLD:  # its KV came from the prefill instance
                 assert wait_for(lambda: metric(client, "kv_transfer_bytes_total"))
         counts = wait_for(lambda: [c for c in [draft_counters(client)] if c and c[0] > 0])
