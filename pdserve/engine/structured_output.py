@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.kernels.token_bitmask import apply_token_bitmask
 from pdserve.structured_outputs import GrammarSpec, build_grammar
 
 if TYPE_CHECKING:
@@ -236,4 +237,4 @@ def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[Request]) -> None:
         if not bitmask[i].any():
             rows[i].grammar.error = ("structured_outputs: the constraint allows no next token "
                                      "(a grammar that accepts no text)")
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=constrained)
+    apply_token_bitmask(logits, bitmask, constrained)
