@@ -30,7 +30,8 @@ from pdserve.models.loader import DEFAULT_MODEL
 from pdserve.parent_watch import PARENT_ENV
 from pdserve.ports import pick_free_port
 from pdserve.proto.pdserve.v1 import router_pb2, router_pb2_grpc
-from pdserve.services.auth import API_KEY_ENV, SECRET_ENV, Credentials, internal_channel
+from pdserve.services.auth import (API_KEY_ENV, CHANNEL_OPTIONS, SECRET_ENV, Credentials,
+                                   internal_channel)
 
 CPU_SHARING = ("turns", "split", "shared")  # ClusterSpec.cpu_sharing
 # `pdserve up`'s --disagg-min-running where prefill and decode compute on the same cores: a
@@ -289,7 +290,7 @@ class Cluster:
             else:
                 self._wait_healthy(child, deadline)
         want = {c.name for c in self.instances}
-        with internal_channel(self.router_address, self.credentials) as channel:
+        with internal_channel(self.router_address, self.credentials, CHANNEL_OPTIONS) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             seen: set[str] = set()
             while time.monotonic() < deadline:
@@ -306,7 +307,9 @@ class Cluster:
                            f"{self.spec.startup_timeout_s:.0f}s (logs in {self.log_dir})")
 
     def _wait_healthy(self, child: Child, deadline: float) -> None:
-        with grpc.insecure_channel(child.address) as channel:
+        # NOTE: short reconnect backoff, or a first probe made before the server listened
+        # would leave the channel waiting out gRPC's backoff (seconds) after it is up.
+        with grpc.insecure_channel(child.address, options=CHANNEL_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 self._check_alive()

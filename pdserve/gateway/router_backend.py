@@ -30,7 +30,7 @@ from pdserve.gateway.backend import (
 from pdserve.pooling_params import PoolingParams
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.sampling_params import SamplingParams
-from pdserve.services.auth import SECRET_ENV, Credentials
+from pdserve.services.auth import CHANNEL_OPTIONS, SECRET_ENV, Credentials
 from pdserve.services.convert import params_to_proto, pooling_to_proto
 
 _ERRORS = {
@@ -87,8 +87,10 @@ class RouterBackend(Backend):
         # NOTE: an aio channel belongs to the event loop that made it: make it on first use.
         if self._channel is None:
             tls = self._credentials.tls
-            self._channel = (grpc.aio.secure_channel(self.address, tls.channel_credentials())
-                             if tls is not None else grpc.aio.insecure_channel(self.address))
+            # Short reconnect backoff: a restarted router is reachable again within a second.
+            self._channel = (
+                grpc.aio.secure_channel(self.address, tls.channel_credentials(), CHANNEL_OPTIONS)
+                if tls is not None else grpc.aio.insecure_channel(self.address, CHANNEL_OPTIONS))
         return router_pb2_grpc.RouterStub(self._channel)
 
     async def embed(self, request_id: str, prompt_ids: list[int],

@@ -1,11 +1,6 @@
-"""gRPC channels to instances, one per address, with short reconnect backoff.
-
-NOTE: gRPC's default reconnect backoff grows to two minutes; an instance restarted on the same
-address must be reachable again within a poll or two, so the backoff is capped at one second.
-gRPC's `grpc.min_reconnect_backoff_ms` is left alone: it is also the shortest time a connection
-attempt may take (20 s by default), and a short one made a loaded instance that answers its
-handshake late unreachable for good. No keepalive pings: servers refuse frequent ones, and
-every call here has a deadline.
+"""gRPC channels to instances, one per address, with short reconnect backoff
+(`CHANNEL_OPTIONS`). No keepalive pings: servers refuse frequent ones, and every call here has
+a deadline.
 """
 
 from __future__ import annotations
@@ -16,17 +11,13 @@ import time
 import grpc
 
 from pdserve.proto.pdserve.v1 import engine_pb2_grpc
-from pdserve.services.auth import Credentials, internal_channel
+from pdserve.services.auth import CHANNEL_OPTIONS, Credentials, internal_channel
 
 # A channel dropped from the pool (evicted, or its address discarded) closes this long after,
 # so that calls already made on it (a Release, a routed request) finish; at most MAX_RETIRED
 # wait, the oldest closing first.
 CLOSE_AFTER_S = 10.0
 MAX_RETIRED = 256
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 class ChannelPool:

@@ -196,6 +196,17 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
         return continuation(self._with_token(client_call_details), request)
 
 
+# NOTE: gRPC's default reconnect backoff grows to two minutes; a server restarted on the same
+# address (or dialled before it listened) must be reachable again within a poll or two, so the
+# backoff is capped at one second. `grpc.min_reconnect_backoff_ms` is left alone: it is also the
+# shortest time a connection attempt may take (20 s by default), and a short one made a loaded
+# instance that answers its handshake late unreachable for good.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def internal_channel(address: str, credentials: Credentials,
                      options: list[tuple[str, int]] | None = None) -> grpc.Channel:
     """A channel whose every call carries the cluster secret (when there is one), over

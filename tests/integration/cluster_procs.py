@@ -14,6 +14,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.ports import pick_free_port
+from pdserve.services.auth import CHANNEL_OPTIONS
 
 
 def free_port() -> int:
@@ -34,7 +35,8 @@ class ServerProcess:
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(self.address))
+        # Short reconnect backoff: probes made before it listened must not delay the next.
+        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(self.address, CHANNEL_OPTIONS))
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
