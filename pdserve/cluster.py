@@ -307,8 +307,7 @@ class Cluster:
                            f"{self.spec.startup_timeout_s:.0f}s (logs in {self.log_dir})")
 
     def _wait_healthy(self, child: Child, deadline: float) -> None:
-        # NOTE: short reconnect backoff, or a first probe made before the server listened
-        # would leave the channel waiting out gRPC's backoff (seconds) after it is up.
+        # Short backoff: a probe made before the server listened must not delay the next.
         with grpc.insecure_channel(child.address, options=CHANNEL_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:

@@ -164,7 +164,8 @@ def http_status(url: str, body: dict, key: str | None, timeout: float = 60) -> i
 def test_a_child_that_dies_is_restarted(tiny_model_dir, tmp_path):
     """`up` supervises: an engine killed (as one whose loop died exits 1) is started again
     with the same arguments and port, and the cluster serves through it again; a restarted
-    gateway still requires the API key, which no child's command line shows."""
+    gateway still requires the API key, which no child's command line shows; a restarted
+    router is dialled again by the gateway and the instances."""
     key = "sk-up-key-0123456789"
     proc = start_up(tiny_model_dir, tmp_path, "--num-prefill", "1", "--num-decode", "1",
                     "--disagg-threshold", "16", "--disagg-min-running", "0", "--api-key", key)
@@ -202,6 +203,18 @@ def test_a_child_that_dies_is_restarted(tiny_model_dir, tmp_path):
         assert status == 200
         assert http_status(url, body, None) == 401
         assert http_status(url, body, "sk-wrong-key-0123") == 401
+        # The router restarted: the gateway dials it again and the instances register anew.
+        router = next(pid for pid, c in cmdlines.items() if "router" in c.split("\0"))
+        os.kill(router, signal.SIGKILL)
+        read_until(proc, "restarted router", timeout=30)
+        status = None
+        while status != 200 and time.monotonic() < deadline + 120:
+            try:
+                status = http_status(url, body, key)  # 503 until the instances register
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
