@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
         self.stop: list[str] = list(params.stop or [])
         self._stopped = False
         self._sent = 0  # chars of output_text already returned as delta
+        self._held = self._held_at = 0  # _held_back's last answer, and len(output_text) then
         self._num_output_tokens = 0
         # Context tokens from the prompt tail, then all output tokens.
         self._token_ids: list[int] = []
@@ -158,14 +159,26 @@ class IncrementalDetokenizer:
         return stop
 
     def _held_back(self) -> int:
-        """Length of the longest tail of output_text that is a proper prefix of a stop string."""
+        """Length of the longest tail of output_text that is a proper prefix of a stop string.
+
+        Such a tail is at most the last answer plus the characters added since (its part
+        before them was such a tail then), and it ends with the text's last character: so a
+        call checks only the lengths where a stop string has that character, up to that bound,
+        and long stop strings cost no more than their matches grow."""
         if self._stopped or not self.stop or self.params.include_stop_str_in_output:
             return 0
         text = self.output_text
+        bound = min(len(text), self._held + len(text) - self._held_at)
         best = 0
         for stop in self.stop:
-            for length in range(min(len(stop) - 1, len(text)), best, -1):
+            length = min(len(stop) - 1, bound)
+            while length > best:
+                length = stop.rfind(text[-1], 0, length) + 1  # stop[length - 1] == text[-1]
+                if length <= best:
+                    break
                 if text.endswith(stop[:length]):
                     best = length
                     break
+                length -= 1
+        self._held, self._held_at = best, len(text)
         return best

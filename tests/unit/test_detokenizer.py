@@ -221,3 +221,24 @@ def test_decode_token(tok):
     ids = tok.encode(" hello", add_special_tokens=False)
     assert detok.decode_token(ids[0]) == tok.decode([ids[0]])
     assert detok.decode_token(2) == "<|im_end|>"
+
+
+def _longest_stop_prefix_tail(text: str, stops: list[str]) -> int:
+    return max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1)
+                if text.endswith(s[:k])), default=0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_held_back_tail_is_the_longest_that_begins_a_stop_string(seed):
+    """Text arriving in pieces over a two-letter alphabet, so that tails often begin a stop
+    string and long partial matches break: every call holds back exactly the longest tail
+    that is a proper prefix of one (checked against every length)."""
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 40)))
+             for _ in range(rng.randint(1, 4))]
+    detok = IncrementalDetokenizer(None, [], SamplingParams(stop=stops))
+    for _ in range(150):
+        detok.output_text += "".join(rng.choice("ab") for _ in range(rng.randint(1, 4)))
+        text = detok.output_text
+        held = _longest_stop_prefix_tail(text, stops)
+        assert detok.get_next_output_text(finished=False, delta=False) == text[:len(text) - held]
