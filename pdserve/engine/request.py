@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pdserve.block_hash import ROOT_HASH
+from pdserve.engine.constant_logits import ConstantLogits
 
 if TYPE_CHECKING:
     from pdserve.engine.ngram_drafts import NgramDrafts
@@ -89,6 +90,15 @@ class Request:
     pooling_params: PoolingParams | None = None
     # Speculative decoding: this sequence's n-gram index, once it decodes (ngram_drafts.py).
     drafts: NgramDrafts | None = None
+    _constant_logits: ConstantLogits | None = field(default=None, repr=False)
+
+    def constant_logits(self, vocab: int, device: torch.device) -> ConstantLogits:
+        """Its allowed_token_ids and logit_bias as tensors, built on first use."""
+        cached = self._constant_logits
+        if cached is None or not cached.fits(vocab, device):
+            cached = self._constant_logits = ConstantLogits.build(self.sampling_params, vocab,
+                                                                  device)
+        return cached
 
     def next_draw_generator(self) -> torch.Generator | None:
         """The generator of this sequence's next random draw; None when it has no seed. It

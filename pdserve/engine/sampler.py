@@ -154,13 +154,8 @@ def _apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[Request]) -> None
 
     allowed = [i for i, row in enumerate(rows) if row.sampling_params.allowed_token_ids is not None]
     if allowed:
-        mask = torch.ones(len(allowed), vocab, dtype=torch.bool, device=device)  # (n, V)
-        r, c = [], []
-        for j, i in enumerate(allowed):
-            ids = [t for t in rows[i].sampling_params.allowed_token_ids if 0 <= t < vocab]
-            r.extend([j] * len(ids))
-            c.extend(ids)
-        mask[_index(r, c, device)] = False
+        mask = torch.stack([rows[i].constant_logits(vocab, device).forbidden
+                            for i in allowed])  # (n, V)
         idx = torch.tensor(allowed, dtype=torch.long, device=device)
         logits[idx] = logits[idx].masked_fill(mask, _NEG_INF)
 
@@ -172,16 +167,11 @@ def _apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[Request]) -> None
     if r:
         logits[_index(r, c, device)] = _NEG_INF
 
-    r, c, v = [], [], []
-    for i, row in enumerate(rows):
-        for t, bias in (row.sampling_params.logit_bias or {}).items():
-            if 0 <= t < vocab:
-                r.append(i)
-                c.append(t)
-                v.append(bias)
-    if r:
-        values = torch.tensor(v, dtype=logits.dtype, device=device)
-        logits.index_put_(_index(r, c, device), values, accumulate=True)
+    biased = [i for i, row in enumerate(rows) if row.sampling_params.logit_bias]
+    if biased:  # + 0 leaves the other tokens as they are
+        bias = torch.stack([rows[i].constant_logits(vocab, device).bias
+                            for i in biased])  # (n, V)
+        logits.index_add_(0, torch.tensor(biased, dtype=torch.long, device=device), bias)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[Request]) -> None:

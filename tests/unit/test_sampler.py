@@ -23,7 +23,9 @@ class Row:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     eos_token_id: int | None = None
     grammar: object = None  # structured outputs: tested in tests/engine/test_structured_outputs
+    _constant_logits: object = None
     next_draw_generator = Request.next_draw_generator
+    constant_logits = Request.constant_logits
 
     @property
     def num_output_tokens(self) -> int:
@@ -307,3 +309,19 @@ def test_sampler_does_not_mutate_rows_or_logits():
     after = [(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.bad_words_token_ids)
              for r in rows]
     assert after == [tuple(s) for s in snapshot]
+
+
+def test_whole_vocabulary_bias_and_allowed_ids_are_built_once_per_request():
+    """A request allowing and biasing every token (and ids past the vocabulary, which are
+    dropped): its processed logits are the raw ones plus its biases, and later steps reuse
+    the tensors its first step built."""
+    bias = {t: (t % 7) / 4 - 0.5 for t in range(V + 3)}
+    row = Row(greedy(allowed_token_ids=list(range(V + 3)), logit_bias=bias))
+    expected = make_logits(1)
+    expected[0] += torch.tensor([bias[t] for t in range(V)])
+    for step in range(2):
+        torch.testing.assert_close(Sampler(V).process_logits(make_logits(1), [row]), expected,
+                                   rtol=0, atol=0)
+        if step == 0:
+            built = row._constant_logits
+    assert row._constant_logits is built
