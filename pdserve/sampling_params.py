@@ -6,6 +6,7 @@ import copy
 import enum
 import logging
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,12 @@ def _finite(name: str, value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return value
+
+
+def _float32(value: float) -> float | None:
+    """`value` rounded to float32 as the logits hold it; None where that overflows."""
+    rounded = struct.unpack("f", struct.pack("f", value))[0]
+    return rounded if math.isfinite(rounded) else None
 
 
 def _parse_token_id(key: Any) -> int | None:
@@ -178,9 +185,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if token_id < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}")
-            if not _is_number(value) or not math.isfinite(value):
-                raise ValueError(f"logit_bias values must be finite numbers, got {value!r} "
-                                 f"for token {token_id}")
+            if not _is_number(value) or not math.isfinite(value) or _float32(value) is None:
+                raise ValueError(f"logit_bias values must be finite float32 numbers, got "
+                                 f"{value!r} for token {token_id}")
             out[token_id] = float(value)
         return out
 
@@ -191,9 +198,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if self.repetition_penalty <= 0.0 or not _float32(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be a positive float32 number (from "
+                             f"1.4e-45 to 3.4e38), got {self.repetition_penalty}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

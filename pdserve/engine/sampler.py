@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 _SAMPLING_EPS = 1e-5
 _NEG_INF = float("-inf")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 _PROMPT_CHUNK = 1024
 _DRAW_BLOCK = 256  # tokens a block of the cumulative sums in draw_tokens
 # A step's prompt logprobs of one request: (its chunk's first position, {token: (logprob,
@@ -193,7 +194,9 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[Request]) -> None:
                                dtype=logits.dtype, device=device).unsqueeze(1)  # (n, 1)
         idx = torch.tensor(rep, dtype=torch.long, device=device)
         sub = logits[idx]  # (n, V)
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        # A tiny penalty can push a logit past float32: it becomes the largest float, not inf
+        # (several infs would make the softmax NaN).
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty).clamp_(max=_FLOAT32_MAX)
         logits[idx] = torch.where(seen, penalized, sub)
 
     freq = [i for i, row in enumerate(rows)
@@ -273,6 +276,7 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         better_mass = torch.zeros_like(sorted_probs)  # mass of the tokens ranked above
         better_mass[:, 1:] = sorted_probs.cumsum(dim=-1)[:, :-1]
         drop_sorted = better_mass >= column(top_p, rows)
+        drop_sorted[:, 0] = False  # the likeliest token stays, however small top_p is in float32
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         logits[idx] = sub.masked_fill(drop, _NEG_INF)
 

@@ -6,6 +6,7 @@ Unknown fields are ignored (and logged once per name by the app), as in vLLM.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -52,6 +53,16 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def _clamped(logit_bias: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Biases clamped to [-100, 100] as the OpenAI API defines them (vLLM clamps too); what is
+    not a finite number is left for SamplingParams to refuse."""
+    if not logit_bias:
+        return logit_bias
+    return {token: min(100.0, max(-100.0, float(v)))
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            else v for token, v in logit_bias.items()}
 
 
 def _check_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
@@ -154,7 +165,7 @@ class _SamplingRequest(_Body):
             params = SamplingParams(
                 n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
                 presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
+                frequency_penalty=self.frequency_penalty, logit_bias=_clamped(self.logit_bias),
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids,
                 skip_special_tokens=self.skip_special_tokens,

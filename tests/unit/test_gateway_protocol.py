@@ -78,6 +78,13 @@ def test_sampling_errors_name_the_field():
     assert e.value.status == 400 and e.value.param == "n"
 
 
+def test_logit_bias_is_clamped_to_the_openai_range():
+    """OpenAI's range is [-100, 100] (vLLM clamps likewise): 1e308 would overflow float32."""
+    bias = {"1": 1e308, "2": -1e308, "3": 2.5}
+    p = CompletionRequest(prompt="x", logit_bias=bias).sampling_params(4)
+    assert p.logit_bias == {1: 100.0, 2: -100.0, 3: 2.5}
+
+
 @pytest.mark.parametrize("message, param", [
     ("temperature must be non-negative, got -1", "temperature"),
     ("prompt_token_ids: token id 5 is outside", "prompt"),

@@ -171,6 +171,26 @@ def test_top_p_keeps_smallest_prefix_reaching_p(top_p, kept):
     torch.testing.assert_close(probs, expected)
 
 
+def test_top_p_below_float32s_smallest_keeps_the_likeliest_token():
+    logits = make_logits(1, seed=3)
+    probs = sampling_probs(logits, [SamplingParams(top_p=1e-300)])[0]  # 0 in float32
+    expected = torch.zeros(V)
+    expected[logits[0].argmax()] = 1.0
+    torch.testing.assert_close(probs, expected)
+
+
+def test_repetition_penalty_past_float32_gives_the_seen_tokens_not_nan():
+    """A penalty so small that the seen tokens' positive logits overflow float32: they become
+    the largest float (equal), so greedy takes the first of them and draws pick among them."""
+    logits = make_logits(1, seed=4)
+    seen = [t for t in range(V) if logits[0, t] > 0][:3]
+    rows = [Row(SamplingParams(temperature=t, seed=s, repetition_penalty=1e-40),
+                prompt_token_ids=seen) for t, s in [(0, None)] + [(1.0, s) for s in range(20)]]
+    tokens = [r.token_id for r in Sampler(V)(logits.expand(len(rows), V).contiguous(), rows)]
+    assert tokens[0] == min(seen)
+    assert set(tokens[1:]) <= set(seen) and len(set(tokens[1:])) > 1
+
+
 @pytest.mark.parametrize("kwargs", [{"top_k": 3}, {"top_p": 0.6}, {"min_p": 0.1}])
 def test_sampled_tokens_stay_in_filtered_set(kwargs):
     logits = make_logits(1, seed=5).expand(300, V).contiguous()

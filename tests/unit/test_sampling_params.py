@@ -60,6 +60,10 @@ def test_tiny_positive_temperature_is_raised_not_greedy():
         ({"frequency_penalty": 2.01}, "frequency_penalty", "2.01"),
         ({"repetition_penalty": 0.0}, "repetition_penalty", "0.0"),
         ({"repetition_penalty": -1.0}, "repetition_penalty", "-1.0"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty", "1e-300"),  # 0 in float32
+        ({"repetition_penalty": 1e39}, "repetition_penalty", "1e+39"),  # inf in float32
+        ({"logit_bias": {3: 1e39}}, "logit_bias", "1e+39"),
+        ({"logit_bias": {3: -1e308}}, "logit_bias", "-1e+308"),
         ({"max_tokens": 0}, "max_tokens", "0"),
         ({"min_tokens": -1}, "min_tokens", "-1"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "20"),
@@ -96,6 +100,7 @@ def test_boundary_values_are_accepted():
     SamplingParams(top_p=1.0, min_p=1.0, presence_penalty=2.0, frequency_penalty=-2.0,
                    logprobs=-1, prompt_logprobs=0, top_k=-1, min_tokens=16, max_tokens=16)
     SamplingParams(logprobs=0, prompt_logprobs=-1, temperature=0.0)
+    SamplingParams(repetition_penalty=1e-40, logit_bias={3: -3e38}, top_p=1e-300)
 
 
 def test_verify_vocab():
