@@ -92,7 +92,9 @@ class GrammarState:
         """Advance over a sampled token; a token the grammar forbids sets `error`."""
         if self.active and not self._matcher.accept_token(token):
             self.error = (f"structured_outputs: sampled token {token} does not match the "
-                          f"constraint (min_tokens may forbid the end it allows)")
+                          f"constraint (the request's other settings, such as min_tokens, "
+                          f"allowed_token_ids, bad_words or logit_bias, forbid every token it "
+                          f"allows)")
 
     @property
     def is_terminated(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from pdserve import untrusted_json
 from pdserve.block_hash import MAX_CACHE_SALT_CHARS
@@ -55,14 +55,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def _clamped(logit_bias: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Biases clamped to [-100, 100] as the OpenAI API defines them (vLLM clamps too); what is
-    not a finite number is left for SamplingParams to refuse."""
-    if not logit_bias:
-        return logit_bias
-    return {token: min(100.0, max(-100.0, float(v)))
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            else v for token, v in logit_bias.items()}
+def _clamped(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+    """Biases clamped to [-100, 100] as OpenAI's API defines them (vLLM clamps too); NaN and
+    infinities are left for SamplingParams to refuse."""
+    return logit_bias and {token: min(100.0, max(-100.0, v)) if math.isfinite(v) else v
+                           for token, v in logit_bias.items()}
 
 
 def _check_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
@@ -201,8 +198,9 @@ class _SamplingRequest(_Body):
                 beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                 temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
                 include_stop_str_in_output=self.include_stop_str_in_output)
-        except ValueError as e:
-            raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+        except ValueError as e:  # the beam width is the request's n
+            head = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), "n" if head == "beam_width" else head) from e
 
     @property
     def include_usage(self) -> bool:
@@ -290,10 +288,19 @@ class TextPart(_Body):
     text: str
 
 
+def _text_parts_only(content: Any) -> Any:
+    """A content list's parts must be text: name the type of one that is not."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise ValueError(f"only text parts are supported, got a part of type {kind!r}")
+    return content
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a "tool" message: the call it answers
@@ -316,7 +323,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict] | None = Field(default=None, max_length=MAX_TOOLS)

@@ -16,12 +16,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from pdserve.gateway.backend import BackendError
 from pdserve.gateway.chat import ChatRun
 from pdserve.gateway.generation import Generation
-from pdserve.gateway.protocol import ChatCompletionRequest, _Body, bad_request
+from pdserve.gateway.protocol import APIError, ChatCompletionRequest, _Body, bad_request
 from pdserve.gateway.serving import ServingContext, api_error_of
 
 logger = logging.getLogger(__name__)
@@ -69,8 +69,27 @@ class ResponsesRequest(_Body):
                 messages=messages, max_tokens=self.max_output_tokens,
                 temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                 stream=self.stream, response_format=response_format)
-        except ValueError as e:
-            raise bad_request(f"input: {e}", "input") from e
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = [str(x) for x in err["loc"]]
+            raise in_responses_terms(bad_request(f"{'.'.join(loc)}: {err['msg']}",
+                                                 loc[0] if loc else None)) from e
+
+
+# The chat request's fields that a Responses request sets under other names.
+_RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
+                    "response_format": "text.format"}
+
+
+def in_responses_terms(e: APIError) -> APIError:
+    """A chat request's error as the Responses request that made it would name the field."""
+    name = _RESPONSES_NAMES.get(e.param or "")
+    if name is None:
+        return e
+    message = e.message
+    if message.startswith(e.param):
+        message = name + message[len(e.param):]
+    return APIError(e.status, message, e.type, name.split(".")[0], e.code)
 
 
 def _messages(items: str | list[dict]) -> list[dict]:
@@ -107,7 +126,10 @@ class ResponsesRun:
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest):
         self.req = req
-        self.chat = ChatRun(ctx, req.chat_request())
+        try:
+            self.chat = ChatRun(ctx, req.chat_request())
+        except APIError as e:
+            raise in_responses_terms(e) from e
         self.backend_requests = self.chat.backend_requests
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"

@@ -66,3 +66,25 @@ def test_a_failure_mid_stream_on_responses_is_an_error_event(client, backend):
     data = json.loads(last[1].removeprefix("data: "))
     assert data["type"] == "error" and "decode instance died" in data["message"]
     assert isinstance(data["sequence_number"], int) and data["code"]
+
+
+@pytest.mark.parametrize("path, body, param, starts", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages",
+     "messages.0.content: only text parts are supported, got a part of type 'image_url'"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 0}, "n", ""),
+    ("/v1/responses", {"input": []}, "input", "input: "),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "xml"}}}, "text",
+     "text.format.type: "),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 10 ** 9}, "max_output_tokens",
+     "max_output_tokens"),
+])
+def test_a_400_names_the_field_the_request_sent(client, path, body, param, starts):
+    """Each names its own field: a Responses request is served as a chat request, whose
+    field names (messages, max_tokens, response_format) it does not have."""
+    err = error(client.post(path, json=body), 400)
+    assert err["param"] == param and err["message"].startswith(starts), err
+    assert "validation error for" not in err["message"]  # no raw pydantic dump
