@@ -13,6 +13,7 @@ from typing import Any
 from pdserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+_FLOAT32_MAX = 3.4028234663852886e38
 
 # The most one request that crosses a process boundary (HTTP, gRPC) may ask for: sequences
 # (n: OpenAI's bound) and items of the lists checked at every generated token. In-process
@@ -58,8 +59,9 @@ def _finite(name: str, value: Any) -> float:
 
 def _float32(value: float) -> float | None:
     """`value` rounded to float32 as the logits hold it; None where that overflows."""
-    rounded = struct.unpack("f", struct.pack("f", value))[0]
-    return rounded if math.isfinite(rounded) else None
+    if abs(value) > _FLOAT32_MAX:
+        return None
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def _parse_token_id(key: Any) -> int | None:

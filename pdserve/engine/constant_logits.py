@@ -14,10 +14,8 @@ from pdserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class ConstantLogits:
-    """For a vocabulary of `vocab` tokens on `device`; None where the request sets nothing."""
+    """For a vocabulary of V tokens on one device; None where the request sets nothing."""
 
-    vocab: int
-    device: torch.device
     forbidden: torch.Tensor | None  # (V,) bool: True for tokens outside allowed_token_ids
     bias: torch.Tensor | None  # (V,) float32: logit_bias, 0 for the tokens it leaves alone
 
@@ -34,10 +32,7 @@ class ConstantLogits:
                                   dtype=torch.float32, device=device)
             bias = torch.zeros(vocab, dtype=torch.float32, device=device)
             bias[ids] = values
-        return cls(vocab, device, forbidden, bias)
-
-    def fits(self, vocab: int, device: torch.device) -> bool:
-        return self.vocab == vocab and self.device == device
+        return cls(forbidden, bias)
 
 
 def _in_vocab(token_ids, vocab: int, device: torch.device) -> torch.Tensor:

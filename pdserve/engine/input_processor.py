@@ -108,7 +108,7 @@ class InputProcessor:
                                  "prompt (its last token is computed here, to sample from)")
         bad_words = self._tokenize_bad_words(params.bad_words or [])
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children = []
+        children, constant_logits = [], {}  # the children's settings are the same
         for i in range(params.n):
             child_params = params
             rid = request_id
@@ -122,7 +122,8 @@ class InputProcessor:
                 request_id=rid, prompt_token_ids=list(prompt_ids), sampling_params=child_params,
                 eos_token_id=self.eos_token_id, priority=priority, arrival_time=arrival,
                 bad_words_token_ids=bad_words, kv_transfer_params=kv_transfer_params,
-                remote_kv=remote_kv, output_token_ids=list(prefilled))
+                remote_kv=remote_kv, output_token_ids=list(prefilled),
+                constant_logits_cache=constant_logits)
             if params.structured_outputs is not None:
                 child.grammar = self.grammars.grammar_for(params.structured_outputs.spec)
             children.append(child)

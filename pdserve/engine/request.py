@@ -90,15 +90,17 @@ class Request:
     pooling_params: PoolingParams | None = None
     # Speculative decoding: this sequence's n-gram index, once it decodes (ngram_drafts.py).
     drafts: NgramDrafts | None = None
-    _constant_logits: ConstantLogits | None = field(default=None, repr=False)
+    # Its allowed_token_ids and logit_bias as tensors by (vocabulary size, device), built on
+    # first use; one dict for the n sequences of a request, whose settings are the same.
+    constant_logits_cache: dict[tuple[int, torch.device], ConstantLogits] = field(
+        default_factory=dict, repr=False)
 
     def constant_logits(self, vocab: int, device: torch.device) -> ConstantLogits:
-        """Its allowed_token_ids and logit_bias as tensors, built on first use."""
-        cached = self._constant_logits
-        if cached is None or not cached.fits(vocab, device):
-            cached = self._constant_logits = ConstantLogits.build(self.sampling_params, vocab,
-                                                                  device)
-        return cached
+        """Its allowed_token_ids and logit_bias as tensors (constant_logits.py)."""
+        cache = self.constant_logits_cache
+        if (vocab, device) not in cache:
+            cache[vocab, device] = ConstantLogits.build(self.sampling_params, vocab, device)
+        return cache[vocab, device]
 
     def next_draw_generator(self) -> torch.Generator | None:
         """The generator of this sequence's next random draw; None when it has no seed. It

@@ -175,6 +175,15 @@ def _apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[Request]) -> None
         logits.index_add_(0, torch.tensor(biased, dtype=torch.long, device=device), bias)
 
 
+def _within_float32(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """`after`, computed from `before` by a factor, with what overflowed float32 set to the
+    largest float of its sign: a penalty or a bias near float32's limits, divided by a
+    temperature below 1, must not make infs (several of them make the softmax NaN). What was
+    -inf before (a masked token) stays -inf."""
+    return torch.where(before.isneginf(), before,
+                       after.clamp(min=-_FLOAT32_MAX, max=_FLOAT32_MAX))
+
+
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[Request]) -> None:
     """In place on logits (B, V). Repetition penalty over prompt + output tokens (divide positive
     logits, multiply negative ones); frequency and presence penalties over output tokens."""
@@ -194,9 +203,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[Request]) -> None:
                                dtype=logits.dtype, device=device).unsqueeze(1)  # (n, 1)
         idx = torch.tensor(rep, dtype=torch.long, device=device)
         sub = logits[idx]  # (n, V)
-        # A tiny penalty can push a logit past float32: it becomes the largest float, not inf
-        # (several infs would make the softmax NaN).
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty).clamp_(max=_FLOAT32_MAX)
+        penalized = _within_float32(sub, torch.where(sub > 0, sub / penalty, sub * penalty))
         logits[idx] = torch.where(seen, penalized, sub)
 
     freq = [i for i, row in enumerate(rows)
@@ -243,7 +250,10 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     device = logits.device
     vocab = logits.shape[1]
     temps = torch.tensor([[p.temperature] for p in params], dtype=logits.dtype, device=device)
-    logits = logits / temps  # (n, V)
+    if any(p.logit_bias or p.repetition_penalty != 1.0 for p in params):
+        logits = _within_float32(logits, logits / temps)  # biases or penalties near its limits
+    else:
+        logits = logits / temps
 
     def column(values: list[float], rows: list[int]) -> torch.Tensor:  # (m, 1)
         return torch.tensor([[values[j]] for j in rows], dtype=logits.dtype, device=device)

@@ -72,7 +72,8 @@ class ResponsesRequest(_Body):
         except ValidationError as e:
             err = e.errors()[0]
             loc = [str(x) for x in err["loc"]]
-            raise in_responses_terms(bad_request(f"{'.'.join(loc)}: {err['msg']}",
+            msg = err["msg"].removeprefix("Value error, ")
+            raise in_responses_terms(bad_request(f"{'.'.join(loc)}: {msg}",
                                                  loc[0] if loc else None)) from e
 
 

@@ -122,6 +122,18 @@ def test_sampling_knobs_change_output_as_expected(tiny_llm):
     [allowed] = tiny_llm.generate("A B C", SamplingParams(
         temperature=0.8, seed=0, max_tokens=5, allowed_token_ids=[10, 11]), use_tqdm=False)
     assert set(allowed.outputs[0].token_ids) <= {10, 11}
+    # The n sequences of one request share its mask and bias tensors, built once.
+    engine = tiny_llm.llm_engine
+    engine.add_request("shared", "A B C", SamplingParams(
+        n=3, temperature=0.8, seed=1, max_tokens=4, allowed_token_ids=[10, 11, 12],
+        logit_bias={12: 2.0}))
+    children = [r for r in engine.scheduler.requests.values() if r.request_id.endswith("shared")]
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert len(children) == 3 and len({id(c.constant_logits_cache) for c in children}) == 1
+    assert len(children[0].constant_logits_cache) == 1
+    assert {t for o in outputs for c in o.outputs for t in c.token_ids} <= {10, 11, 12}
     word = tiny_llm.get_tokenizer().decode([first])
     [banned] = tiny_llm.generate("A B C", SamplingParams(
         temperature=0, max_tokens=3, ignore_eos=True, bad_words=[word.strip()]),

@@ -23,7 +23,7 @@ class Row:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     eos_token_id: int | None = None
     grammar: object = None  # structured outputs: tested in tests/engine/test_structured_outputs
-    _constant_logits: object = None
+    constant_logits_cache: dict = field(default_factory=dict)
     next_draw_generator = Request.next_draw_generator
     constant_logits = Request.constant_logits
 
@@ -185,10 +185,24 @@ def test_repetition_penalty_past_float32_gives_the_seen_tokens_not_nan():
     logits = make_logits(1, seed=4)
     seen = [t for t in range(V) if logits[0, t] > 0][:3]
     rows = [Row(SamplingParams(temperature=t, seed=s, repetition_penalty=1e-40),
-                prompt_token_ids=seen) for t, s in [(0, None)] + [(1.0, s) for s in range(20)]]
+                prompt_token_ids=seen)
+            for t, s in [(0, None)] + [(t, s) for t in (1.0, 0.5) for s in range(20)]]
     tokens = [r.token_id for r in Sampler(V)(logits.expand(len(rows), V).contiguous(), rows)]
     assert tokens[0] == min(seen)
-    assert set(tokens[1:]) <= set(seen) and len(set(tokens[1:])) > 1
+    for drawn in (tokens[1:21], tokens[21:]):  # temperature 1, then 0.5 (max / 0.5 is inf)
+        assert set(drawn) <= set(seen) and len(set(drawn)) > 1
+
+
+def test_a_huge_penalty_on_every_allowed_token_still_draws_one_of_them():
+    """3e38 times a negative logit is -inf in float32; the allowed tokens, all seen, would
+    all be -inf beside the masked rest."""
+    logits = -make_logits(1, seed=6).abs() - 1  # every logit negative
+    allowed = [2, 9, 17]
+    rows = [Row(SamplingParams(temperature=t, seed=s, repetition_penalty=3e38,
+                               allowed_token_ids=allowed), prompt_token_ids=allowed)
+            for t, s in [(0, None), (1.0, 1), (0.5, 2), (2.0, 3)]]
+    tokens = [r.token_id for r in Sampler(V)(logits.expand(len(rows), V).contiguous(), rows)]
+    assert set(tokens) <= set(allowed)
 
 
 @pytest.mark.parametrize("kwargs", [{"top_k": 3}, {"top_p": 0.6}, {"min_p": 0.1}])
@@ -343,5 +357,5 @@ def test_whole_vocabulary_bias_and_allowed_ids_are_built_once_per_request():
         torch.testing.assert_close(Sampler(V).process_logits(make_logits(1), [row]), expected,
                                    rtol=0, atol=0)
         if step == 0:
-            built = row._constant_logits
-    assert row._constant_logits is built
+            built = dict(row.constant_logits_cache)
+    assert len(built) == 1 and row.constant_logits_cache == built  # the same tensors
