@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -81,13 +81,15 @@ class LLM:
         "embed" pooling task is served."""
         if pooling_task not in (None, "embed"):
             raise ValueError(f"pooling_task: only 'embed' is supported, got {pooling_task!r}")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            pooling_params = _params_list("pooling_params", pooling_params, PoolingParams)
         if truncate_prompt_tokens is not None:
             base = pooling_params if pooling_params is not None else PoolingParams()
             pooling_params = [PoolingParams(p.normalize, p.dimensions, truncate_prompt_tokens)
                               for p in ([base] if isinstance(base, PoolingParams) else base)]
             if len(pooling_params) == 1:
                 pooling_params = pooling_params[0]
-        count = 1 if isinstance(prompts, (str, dict)) else len(prompts)
+        count = len(_prompt_list(prompts))
         ids = add_pooling_prompts(self.llm_engine, prompts, pooling_params,
                                   _priorities(priority, count))
         return self._run(ids, use_tqdm)
@@ -98,8 +100,13 @@ class LLM:
         TokensPrompt); each step runs every live beam of every prompt as one batch."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prompts = _prompt_list(prompts)
         engine = self.llm_engine
+        max_logprobs = engine.config.model.max_logprobs
+        if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
+            raise ValueError(f"beam_width: a search of width {params.beam_width} reads "
+                             f"{2 * params.beam_width} logprobs a step, more than "
+                             f"max_logprobs={max_logprobs} (an engine argument)")
         tokenizer = self.get_tokenizer()
         searches = []
         for prompt in prompts:
@@ -201,15 +208,13 @@ class LLM:
         return tokenizer.encode(text, add_special_tokens=False)
 
     def _add_prompts(self, prompts, sampling_params, priority) -> list[str]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = _params_list("sampling_params", sampling_params, SamplingParams)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for "
                                  f"{len(prompts)} prompts")
@@ -254,6 +259,24 @@ class LLM:
         return [done.pop(i) for i in ids if i in done]
 
 
+def _prompt_list(prompts: Any) -> list:
+    """vLLM's `prompts` argument (a prompt, or a list of them) as a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts: expected a string, a prompt dict or a list of them, got "
+                         f"{type(prompts).__name__}")
+    return list(prompts)
+
+
+def _params_list(name: str, params: Any, kind: type) -> list:
+    """A list of `kind` (SamplingParams, PoolingParams), one per prompt."""
+    if not isinstance(params, Iterable) or isinstance(params, (str, dict)):
+        raise ValueError(f"{name}: expected {kind.__name__} or a list of them, got "
+                         f"{type(params).__name__}")
+    return list(params)
+
+
 def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int] | None:
     """One priority per prompt from vLLM's `priority` argument (an int applies to all)."""
     if priority is None:
@@ -276,7 +299,9 @@ def _text_message(i: int, message: Any) -> dict:
     if message.get("tool_calls"):
         message = {**message, "tool_calls": [_template_call(i, c) for c in message["tool_calls"]]}
     content = message.get("content")
-    if content is None or isinstance(content, str):
+    if content is None:  # an assistant's tool-call turn, say: templates read a string
+        return {**message, "content": ""}
+    if isinstance(content, str):
         return message
     if not isinstance(content, list):
         raise ValueError(f"messages[{i}].content: must be a string or a list of parts")

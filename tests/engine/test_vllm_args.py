@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pdserve import LLM, EngineArgs, SamplingParams
+from pdserve.beam_search import BeamSearchParams
 from pdserve.engine import vllm_args
 from pdserve.models.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
@@ -41,8 +42,8 @@ def vllm_llm(tiny_model_dir, template_file):
                scheduling_policy="priority", **IGNORED)
 
 
-def chat_text(llm, **kwargs) -> str:
-    [out] = llm.chat(MESSAGES, GREEDY, use_tqdm=False, **kwargs)
+def chat_text(llm, messages=MESSAGES, **kwargs) -> str:
+    [out] = llm.chat(messages, GREEDY, use_tqdm=False, **kwargs)
     return llm.get_tokenizer().decode(out.prompt_token_ids)
 
 
@@ -100,6 +101,31 @@ def test_priority_takes_an_int(vllm_llm, tiny_llm):
     with pytest.raises(ValueError, match="^priority: only allowed with scheduling_policy"):
         tiny_llm.generate("a", GREEDY, use_tqdm=False, priority=1)
     assert len(tiny_llm.generate("a", GREEDY, use_tqdm=False, priority=0)) == 1
+
+
+def test_arguments_of_the_wrong_kind_are_value_errors_naming_them(vllm_llm):
+    for call, message in [
+            (lambda: vllm_llm.generate("a", {"max_tokens": 2}), "^sampling_params: expected "
+             "SamplingParams or a list of them, got dict"),
+            (lambda: vllm_llm.generate(None), "^prompts: expected .* got NoneType"),
+            (lambda: vllm_llm.generate(5, GREEDY), "^prompts: expected .* got int"),
+            (lambda: vllm_llm.embed("a", GREEDY), "^pooling_params: expected PoolingParams"),
+            (lambda: vllm_llm.beam_search("a", BeamSearchParams(beam_width=2, max_tokens=2)),
+             "^beam_width: .* 4 logprobs .* max_logprobs=3")]:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert vllm_llm.llm_engine.get_num_unfinished_requests() == 0
+    outs = vllm_llm.generate((p for p in ["a", "b"]), iter([GREEDY, GREEDY]), use_tqdm=False)
+    assert len(outs) == 2  # any iterable, as list() takes
+
+
+def test_a_message_without_content_renders_as_empty_text(tiny_llm):
+    """An assistant turn of tool calls has content None (OpenAI, vLLM): the model's template
+    (which reads message['content'] as a string) gets ''."""
+    messages = [*MESSAGES, {"role": "assistant", "content": None}, {"role": "user",
+                                                                   "content": "more"}]
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nmore" in chat_text(
+        tiny_llm, messages)
 
 
 def test_tokenizer_argument_is_honoured(tiny_model_dir, tmp_path):
