@@ -89,9 +89,9 @@ class LLM:
                               for p in ([base] if isinstance(base, PoolingParams) else base)]
             if len(pooling_params) == 1:
                 pooling_params = pooling_params[0]
-        count = len(_prompt_list(prompts))
+        prompts = _prompt_list(prompts)
         ids = add_pooling_prompts(self.llm_engine, prompts, pooling_params,
-                                  _priorities(priority, count))
+                                  _priorities(priority, len(prompts)))
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams,

@@ -117,6 +117,7 @@ def test_arguments_of_the_wrong_kind_are_value_errors_naming_them(vllm_llm):
     assert vllm_llm.llm_engine.get_num_unfinished_requests() == 0
     outs = vllm_llm.generate((p for p in ["a", "b"]), iter([GREEDY, GREEDY]), use_tqdm=False)
     assert len(outs) == 2  # any iterable, as list() takes
+    assert len(vllm_llm.embed(p for p in ["a", "b"])) == 2
 
 
 def test_a_message_without_content_renders_as_empty_text(tiny_llm):
