@@ -77,10 +77,9 @@ def pooling_params_list(params: PoolingParams | Sequence[PoolingParams] | None,
     return values
 
 
-def add_pooling_prompts(engine: LLMEngine, prompts, pooling_params,
+def add_pooling_prompts(engine: LLMEngine, prompts: list, pooling_params,
                         priority: list[int] | None = None) -> list[str]:
     """Queue every prompt as a pooling request; returns their ids (all or none queued)."""
-    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
     params = pooling_params_list(pooling_params, len(prompts))
     ids: list[str] = []
     try:

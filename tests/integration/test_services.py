@@ -117,6 +117,9 @@ def test_an_aborted_decode_ends_its_stream_at_once(pd):
     (common_pb2.SamplingParams(top_p=2.0), "top_p"),
     (common_pb2.SamplingParams(max_tokens=0), "max_tokens"),
     (common_pb2.SamplingParams(n=2), "n"),
+    # float32 on the wire: 1e-300 arrives as 0, 1e39 as inf (either poisoned the logits)
+    (common_pb2.SamplingParams(repetition_penalty=1e-300), "repetition_penalty"),
+    (common_pb2.SamplingParams(logit_bias={5: 1e39}), "logit_bias"),
 ])
 def test_invalid_prefill_arguments(pd, sampling, field):
     p, _, _, _ = pd
@@ -124,6 +127,11 @@ def test_invalid_prefill_arguments(pd, sampling, field):
         p.Prefill(engine_pb2.PrefillRequest(prompt_token_ids=PROMPT_IDS, sampling=sampling),
                   timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    rid = f"after-{field}"  # the instance still serves (a prompt no other test caches)
+    ok = p.Prefill(engine_pb2.PrefillRequest(request_id=rid, prompt_token_ids=list(
+        range(3000, 3040)), sampling=GREEDY), timeout=30)
+    assert ok.handle.num_tokens > 0
+    p.Release(engine_pb2.ReleaseRequest(request_id=rid), timeout=10)
 
 
 def test_invalid_decode_arguments(pd):

@@ -81,6 +81,8 @@ def test_a_failure_mid_stream_on_responses_is_an_error_event(client, backend):
      "text.format.type: "),
     ("/v1/responses", {"input": "x", "max_output_tokens": 10 ** 9}, "max_output_tokens",
      "max_output_tokens"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty",
+     "repetition_penalty must be a positive float32 number"),  # 0 in the float32 logits
 ])
 def test_a_400_names_the_field_the_request_sent(client, path, body, param, starts):
     """Each names its own field: a Responses request is served as a chat request, whose
@@ -88,3 +90,5 @@ def test_a_400_names_the_field_the_request_sent(client, path, body, param, start
     err = error(client.post(path, json=body), 400)
     assert err["param"] == param and err["message"].startswith(starts), err
     assert "validation error for" not in err["message"]  # no raw pydantic dump
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text  # and the gateway still serves
