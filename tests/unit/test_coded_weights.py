@@ -75,14 +75,16 @@ def test_other_weights_are_not_coded(case):
 @pytest.mark.parametrize("bias", [False, True])
 def test_coded_kernel_equals_the_float32_panels_bit_for_bit(form, bias):
     torch.manual_seed(0)
-    w = ((torch.randn(100, 256) * 0.05).bfloat16().float() if form == "bfloat16"
-         else gguf_weight((100, 256), form, seed=1))  # 100 outputs: a partial last panel
+    # 100 outputs: a partial last panel; 320 inputs: chunks of 128, 128 and 64 where rows
+    # share rebuilt weights (more rows than one group)
+    w = ((torch.randn(100, 320) * 0.05).bfloat16().float() if form == "bfloat16"
+         else gguf_weight((100, 320), form, seed=1))
     b = torch.randn(100) if bias else None
     layer = PackedLinear(w, b)
     assert layer.codes is not None
-    wide = torch.randn(40, 300)
-    for rows in (1, 2, 7, 10, 11, 17, CODED_MAX_ROWS):
-        x = wide[:rows, :256]  # rows with a stride wider than the inputs
+    wide = torch.randn(40, 352)
+    for rows in (1, 2, 7, 10, 11, 17, 29, CODED_MAX_ROWS):
+        x = wide[:rows, :320]  # rows with a stride wider than the inputs
         coded = layer(x)
         codes, layer.codes = layer.codes, None  # the float32 panels
         plain = layer(x)

@@ -22,9 +22,14 @@
  * the results are linear_f32's on the float32 weight, bit for bit, while fewer bytes stream
  * from memory: about 1.25 a weight with 8-bit codes, 0.63 with 4-bit ones, 2 with bfloat16,
  * against 4. Rebuilding costs two to four vector operations per 16 weights, so this pays for
- * the few rows of a decode step (the caller picks).
+ * the few rows of a decode step (the caller picks). Up to GROUP rows rebuild in registers as
+ * they go; more rows than that take each chunk of 128 inputs rebuilt once into L1 and share
+ * it, groups of up to 14 rows reading it in turn (their sums wait in memory between chunks,
+ * which changes no result), where rebuilding for each group of 10 cost 10-20% more time from
+ * 11 to 64 rows (benchmarks/results/linear_cpu.md).
  */
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -35,6 +40,8 @@
 
 #define RUN 32    /* inputs per scale and offset */
 #define GROUP 10  /* 20 accumulators, 4 scale / offset vectors, 2 weights, 1 input */
+#define SHARED_GROUP 14  /* rows on rebuilt weights: 28 accumulators, 2 weights, 1 input */
+#define CHUNK 128  /* inputs rebuilt at a time: 16 KiB of float32, in L1; RUN divides it */
 
 typedef int8_t c16 __attribute__((vector_size(16)));
 
@@ -149,6 +156,38 @@ int linear_coded_supported(void)
 #endif
 }
 
+/* Input i's 32 weights of a panel, rebuilt: (w0, w1) for outputs 0-15 and 16-31. `run`
+ * holds the current run's scales and offsets (s0, s1, o0, o1), read afresh as each run of 32
+ * inputs begins; the next codes are fetched on the way. */
+static inline __attribute__((always_inline)) void
+rebuild_input(int bits, const void *codes, const void *params, int64_t i, v16 run[4], v16 *w0,
+              v16 *w1)
+{
+    if (bits == 16) {
+        const uint16_t *c = (const uint16_t *)codes + i * PANEL;
+        __builtin_prefetch(c + 16 * PANEL);
+        *w0 = widen_bf16(c);
+        *w1 = widen_bf16(c + 16);
+    } else if (bits == 8) {
+        if (i % RUN == 0) {
+            const float *p = (const float *)params + i / RUN * 2 * PANEL;
+            for (int j = 0; j < 4; j++) run[j] = load16(p + 16 * j);
+        }
+        const int8_t *c = (const int8_t *)codes + i * PANEL;
+        __builtin_prefetch(c + 32 * PANEL);
+        *w0 = decode16(c, run[0], run[2]);
+        *w1 = decode16(c + 16, run[1], run[3]);
+    } else {
+        if (i % RUN == 0) {
+            const uint16_t *p = (const uint16_t *)params + i / RUN * 2 * PANEL;
+            for (int j = 0; j < 4; j++) run[j] = widen_f16(p + 16 * j);
+        }
+        const uint8_t *c = (const uint8_t *)codes + i * PANEL / 2;
+        __builtin_prefetch(c + 64 * PANEL / 2);
+        decode_nibbles(c, run[0], run[2], run[1], run[3], w0, w1);
+    }
+}
+
 /* rows x 32 outputs of one panel: `mr` and `bits` are constants in every call, so the loops
  * unroll and the weights' form is fixed. */
 static inline __attribute__((always_inline)) void
@@ -158,36 +197,99 @@ coded_rows(int mr, int bits, const float *x, int64_t x_stride, const void *codes
 {
     v16 acc[GROUP][2];
     panel_start(mr, acc, bias);
-    v16 s0 = SPLAT(0.f), s1 = s0, o0 = s0, o1 = s0;
+    v16 run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
     for (int64_t i = 0; i < k; i++) {
         v16 w0, w1;
-        if (bits == 16) {
-            const uint16_t *c = (const uint16_t *)codes + i * PANEL;
-            __builtin_prefetch(c + 16 * PANEL);
-            w0 = widen_bf16(c);
-            w1 = widen_bf16(c + 16);
-        } else if (bits == 8) {
-            if (i % RUN == 0) {  /* a new run: its scales and offsets */
-                const float *p = (const float *)params + i / RUN * 2 * PANEL;
-                s0 = load16(p); s1 = load16(p + 16); o0 = load16(p + 32); o1 = load16(p + 48);
-            }
-            const int8_t *c = (const int8_t *)codes + i * PANEL;
-            __builtin_prefetch(c + 32 * PANEL);
-            w0 = decode16(c, s0, o0);
-            w1 = decode16(c + 16, s1, o1);
-        } else {
-            if (i % RUN == 0) {
-                const uint16_t *p = (const uint16_t *)params + i / RUN * 2 * PANEL;
-                s0 = widen_f16(p); s1 = widen_f16(p + 16);
-                o0 = widen_f16(p + 32); o1 = widen_f16(p + 48);
-            }
-            const uint8_t *c = (const uint8_t *)codes + i * PANEL / 2;
-            __builtin_prefetch(c + 64 * PANEL / 2);
-            decode_nibbles(c, s0, o0, s1, o1, &w0, &w1);
-        }
+        rebuild_input(bits, codes, params, i, run, &w0, &w1);
         panel_step(mr, acc, x, x_stride, i, w0, w1);
     }
     panel_store(mr, acc, out, out_stride, cols);
+}
+
+/* Inputs i0 .. i0 + n of a panel (i0 a multiple of RUN) rebuilt into `chunk` (n x 32). */
+static inline __attribute__((always_inline)) void
+rebuild_chunk(int bits, const void *codes, const void *params, int64_t i0, int64_t n,
+              float *chunk)
+{
+    v16 run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
+    for (int64_t i = i0; i < i0 + n; i++) {
+        v16 w0, w1;
+        rebuild_input(bits, codes, params, i, run, &w0, &w1);
+        store16(chunk + (i - i0) * PANEL, w0);
+        store16(chunk + (i - i0) * PANEL + 16, w1);
+    }
+}
+
+/* acc (mr x 32, in memory between chunks) += rows x chunk for inputs i0 .. i0 + n: the same
+ * multiply-add chain, continued where the previous chunk left it. */
+static inline __attribute__((always_inline)) void
+chunk_rows(int mr, const float *x, int64_t x_stride, int64_t i0, int64_t n, const float *chunk,
+           float *acc_rows)
+{
+    v16 acc[SHARED_GROUP][2];
+    for (int m = 0; m < mr; m++) {
+        acc[m][0] = load16(acc_rows + m * PANEL);
+        acc[m][1] = load16(acc_rows + m * PANEL + 16);
+    }
+    for (int64_t i = 0; i < n; i++)
+        panel_step(mr, acc, x + i0, x_stride, i, load16(chunk + i * PANEL),
+                   load16(chunk + i * PANEL + 16));
+    for (int m = 0; m < mr; m++) {
+        store16(acc_rows + m * PANEL, acc[m][0]);
+        store16(acc_rows + m * PANEL + 16, acc[m][1]);
+    }
+}
+
+static void chunk_group(int64_t mr, const float *x, int64_t x_stride, int64_t i0, int64_t n,
+                        const float *chunk, float *acc_rows)
+{
+    switch (mr) {
+#define CASE(m) case m: chunk_rows(m, x, x_stride, i0, n, chunk, acc_rows); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+    CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
+#undef CASE
+    }
+}
+
+/* This thread's scratch of `floats` floats (kept for its next call); NULL if out of memory. */
+static float *scratch(int64_t floats)
+{
+    static __thread float *buffer;
+    static __thread int64_t capacity;
+    if (floats > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((floats + 15) / 16 * 64));
+        capacity = buffer ? floats : 0;
+    }
+    return buffer;
+}
+
+/* All rows x 32 outputs of one panel, each chunk of inputs rebuilt once for every group of
+ * rows (rather than once per group): for more rows than one group holds. */
+static int shared_rows(int bits, const float *x, int64_t x_stride, int64_t rows,
+                       const void *codes, const void *params, int64_t k, const float *bias,
+                       float *out, int64_t out_stride, int64_t cols)
+{
+    float *chunk = scratch(CHUNK * PANEL + rows * PANEL);
+    if (!chunk) return 0;
+    float *acc_rows = chunk + CHUNK * PANEL;
+    for (int64_t m = 0; m < rows; m++)
+        for (int j = 0; j < PANEL; j++) acc_rows[m * PANEL + j] = bias ? bias[j] : 0.f;
+    const int64_t groups = (rows + SHARED_GROUP - 1) / SHARED_GROUP;
+    for (int64_t i0 = 0; i0 < k; i0 += CHUNK) {
+        const int64_t n = k - i0 < CHUNK ? k - i0 : CHUNK;
+        if (bits == 4) rebuild_chunk(4, codes, params, i0, n, chunk);
+        else if (bits == 8) rebuild_chunk(8, codes, params, i0, n, chunk);
+        else rebuild_chunk(16, codes, params, i0, n, chunk);
+        for (int64_t g = 0, r = 0; g < groups; g++) {
+            const int64_t mr = (rows - r) / (groups - g);
+            chunk_group(mr, x + r * x_stride, x_stride, i0, n, chunk, acc_rows + r * PANEL);
+            r += mr;
+        }
+    }
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = 0; j < cols; j++) out[m * out_stride + j] = acc_rows[m * PANEL + j];
+    return 1;
 }
 
 static void coded_group(int64_t mr, int bits, const float *x, int64_t x_stride,
@@ -219,11 +321,14 @@ void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void
         float padded_bias[PANEL];
         const float *b = panel_bias(bias, c0, cols, padded_bias);
         const int64_t groups = (rows + GROUP - 1) / GROUP;
+        const void *panel = (const char *)codes + p * k * PANEL * code_bits / 8;
+        const void *run_params = code_bits == 16 ? NULL
+            : (const char *)params + p * (k / RUN) * 2 * PANEL * param_bytes;
+        if (groups > 1 && shared_rows(code_bits, x, x_stride, rows, panel, run_params, k, b,
+                                      out + c0, out_stride, cols))
+            continue;
         for (int64_t g = 0, r = 0; g < groups; g++) {
             const int64_t mr = (rows - r) / (groups - g);
-            const void *panel = (const char *)codes + p * k * PANEL * code_bits / 8;
-            const void *run_params = code_bits == 16 ? NULL
-                : (const char *)params + p * (k / RUN) * 2 * PANEL * param_bytes;
             coded_group(mr, code_bits, x + r * x_stride, x_stride, panel, run_params, k, b,
                         out + r * out_stride + c0, out_stride, cols);
             r += mr;
