@@ -23,10 +23,11 @@
  * from memory: about 1.25 a weight with 8-bit codes, 0.63 with 4-bit ones, 2 with bfloat16,
  * against 4. Rebuilding costs two to four vector operations per 16 weights, so this pays for
  * the few rows of a decode step (the caller picks). Up to GROUP rows rebuild in registers as
- * they go; more rows than that take each chunk of 128 inputs rebuilt once into L1 and share
- * it, groups of up to 14 rows reading it in turn (their sums wait in memory between chunks,
- * which changes no result), where rebuilding for each group of 10 cost 10-20% more time from
- * 11 to 64 rows (benchmarks/results/linear_cpu.md).
+ * they go. With more rows than that, codes take each chunk of 128 inputs rebuilt once into L1
+ * and shared, groups of up to 14 rows reading it in turn (their sums wait in memory between
+ * chunks, which changes no result): rebuilding for every group of 10 took 4-17% longer from
+ * 11 to 32 rows (benchmarks/results/linear_cpu.md). bfloat16 values, two operations to
+ * rebuild, are widened again by each group: storing and rereading them cost more.
  */
 #include <stddef.h>
 #include <stdlib.h>
@@ -264,8 +265,8 @@ static float *scratch(int64_t floats)
     return buffer;
 }
 
-/* All rows x 32 outputs of one panel, each chunk of inputs rebuilt once for every group of
- * rows (rather than once per group): for more rows than one group holds. */
+/* All rows x 32 outputs of one panel on codes (bits 4 or 8), each chunk of inputs rebuilt once
+ * for every group of rows (rather than once per group): for more rows than one group holds. */
 static int shared_rows(int bits, const float *x, int64_t x_stride, int64_t rows,
                        const void *codes, const void *params, int64_t k, const float *bias,
                        float *out, int64_t out_stride, int64_t cols)
@@ -279,8 +280,7 @@ static int shared_rows(int bits, const float *x, int64_t x_stride, int64_t rows,
     for (int64_t i0 = 0; i0 < k; i0 += CHUNK) {
         const int64_t n = k - i0 < CHUNK ? k - i0 : CHUNK;
         if (bits == 4) rebuild_chunk(4, codes, params, i0, n, chunk);
-        else if (bits == 8) rebuild_chunk(8, codes, params, i0, n, chunk);
-        else rebuild_chunk(16, codes, params, i0, n, chunk);
+        else rebuild_chunk(8, codes, params, i0, n, chunk);
         for (int64_t g = 0, r = 0; g < groups; g++) {
             const int64_t mr = (rows - r) / (groups - g);
             chunk_group(mr, x + r * x_stride, x_stride, i0, n, chunk, acc_rows + r * PANEL);
@@ -324,7 +324,7 @@ void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void
         const void *panel = (const char *)codes + p * k * PANEL * code_bits / 8;
         const void *run_params = code_bits == 16 ? NULL
             : (const char *)params + p * (k / RUN) * 2 * PANEL * param_bytes;
-        if (groups > 1 && shared_rows(code_bits, x, x_stride, rows, panel, run_params, k, b,
+        if (groups > 1 && code_bits != 16 && shared_rows(code_bits, x, x_stride, rows, panel, run_params, k, b,
                                       out + c0, out_stride, cols))
             continue;
         for (int64_t g = 0, r = 0; g < groups; g++) {
