@@ -9,8 +9,10 @@
  * loop (28 accumulators, the weights loaded once for all of them); rows are taken in blocks
  * small enough for the cache, and a block's panels are split among OpenMP threads. A decode
  * step's few rows thus stream every weight once at memory speed, where general GEMMs spend
- * their time on packing and edge cases. While a panel's last group of rows runs, the next
- * panel is fetched into L2, so the next panel's first group does not wait on memory.
+ * their time on packing and edge cases. While a panel's groups of rows run, each fetches its
+ * share of the next panel into L2, so the next panel's first group does not wait on memory
+ * (when the last group alone fetched it, 33 to 512 rows ran 7-16% slower on a host of 12 GB/s
+ * a core: benchmarks/results/linear_cpu.md).
  *
  * linear_silu_mul_f32 takes an MLP's gate and up projections on one weight (gate outputs,
  * then up outputs) and pairs gate panel p with up panel p + n / 32: each row group's 32 gate
@@ -25,18 +27,33 @@
 #define GROUP 14
 #define BLOCK_BYTES (512 * 1024)  /* rows of x per block: about this much of them */
 
+/* Which panels a group fetches into L2 while it works: `share` groups split a panel of
+ * (k, 32), group `part` taking rows part * k / share .. (part + 1) * k / share. */
+typedef struct {
+    const float *gate_ahead;
+    int64_t gate_share, gate_part;
+    const float *up_ahead;
+    int64_t up_share, up_part;
+} prefetch_plan;
+
 /* acc[m] += rows x panel over all k inputs: `mr` is a constant in every call, so the loops
- * unroll. `ahead` (k, 32) is fetched into L2 on the way: the next panel, or this one again. */
+ * unroll. Part `part` of `share` of the panel `ahead` (k, 32) is fetched into L2 on the way,
+ * so that a panel's groups together fetch the next one. */
 static inline __attribute__((always_inline)) void
 panel_loop(int mr, v16 acc[][2], const float *x, int64_t x_stride, const float *panel,
-           int64_t k, const float *ahead)
+           int64_t k, const float *ahead, int64_t share, int64_t part)
 {
-    for (int64_t i = 0; i < k; i++) {
+    const float *a = ahead + part * k / share * PANEL;  /* a row every `share` inputs */
+    for (int64_t i = 0, turn = 0; i < k; i++) {
         const v16 w0 = load16(panel + i * PANEL), w1 = load16(panel + i * PANEL + 16);
         __builtin_prefetch(panel + (i + 16) * PANEL);
         __builtin_prefetch(panel + (i + 16) * PANEL + 16);
-        __builtin_prefetch(ahead + i * PANEL, 0, 2);
-        __builtin_prefetch(ahead + i * PANEL + 16, 0, 2);
+        __builtin_prefetch(a, 0, 2);
+        __builtin_prefetch(a + 16, 0, 2);
+        if (++turn == share) {
+            turn = 0;
+            a += PANEL;
+        }
         panel_step(mr, acc, x, x_stride, i, w0, w1);
     }
 }
@@ -44,25 +61,28 @@ panel_loop(int mr, v16 acc[][2], const float *x, int64_t x_stride, const float *
 /* rows x 32 outputs of one panel. */
 static inline __attribute__((always_inline)) void
 panel_rows(int mr, const float *x, int64_t x_stride, const float *panel, int64_t k,
-           const float *bias, float *out, int64_t out_stride, int64_t cols, const float *ahead)
+           const float *bias, float *out, int64_t out_stride, int64_t cols, const float *ahead,
+           int64_t share, int64_t part)
 {
     v16 acc[GROUP][2];  /* 28 of the 32 vector registers */
     panel_start(mr, acc, bias);
-    panel_loop(mr, acc, x, x_stride, panel, k, ahead);
+    panel_loop(mr, acc, x, x_stride, panel, k, ahead, share, part);
     panel_store(mr, acc, out, out_stride, cols);
 }
 
 /* rows x 32 outputs of silu(gate) * up: the gate panel's results wait in L1 while the up
- * panel's accumulate, and only their product is stored. */
+ * panel's accumulate, and only their product is stored. The gate pass fetches `gate_ahead`,
+ * the up pass `up_ahead` (parts of them, as panel_loop's `share` and `part` say). */
 static inline __attribute__((always_inline)) void
 pair_rows(int mr, const float *x, int64_t x_stride, const float *gate, const float *up,
-          int64_t k, float *out, int64_t out_stride, const float *ahead)
+          int64_t k, float *out, int64_t out_stride, const prefetch_plan *plan)
 {
     float g[GROUP * PANEL] __attribute__((aligned(64)));
-    panel_rows(mr, x, x_stride, gate, k, NULL, g, PANEL, PANEL, up);
+    panel_rows(mr, x, x_stride, gate, k, NULL, g, PANEL, PANEL, plan->gate_ahead,
+               plan->gate_share, plan->gate_part);
     v16 acc[GROUP][2];
     panel_start(mr, acc, NULL);
-    panel_loop(mr, acc, x, x_stride, up, k, ahead);
+    panel_loop(mr, acc, x, x_stride, up, k, plan->up_ahead, plan->up_share, plan->up_part);
     for (int m = 0; m < mr; m++)
         for (int half = 0; half < 2; half++)
             store16(out + m * out_stride + 16 * half,
@@ -71,11 +91,11 @@ pair_rows(int mr, const float *x, int64_t x_stride, const float *gate, const flo
 
 static void panel_group(int64_t mr, const float *x, int64_t x_stride, const float *panel,
                         int64_t k, const float *bias, float *out, int64_t out_stride,
-                        int64_t cols, const float *ahead)
+                        int64_t cols, const float *ahead, int64_t share, int64_t part)
 {
     switch (mr) {
 #define CASE(m) case m:                                                                     \
-        panel_rows(m, x, x_stride, panel, k, bias, out, out_stride, cols, ahead); break;
+        panel_rows(m, x, x_stride, panel, k, bias, out, out_stride, cols, ahead, share, part); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
     CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
 #undef CASE
@@ -84,10 +104,10 @@ static void panel_group(int64_t mr, const float *x, int64_t x_stride, const floa
 
 static void pair_group(int64_t mr, const float *x, int64_t x_stride, const float *gate,
                        const float *up, int64_t k, float *out, int64_t out_stride,
-                       const float *ahead)
+                       const prefetch_plan *plan)
 {
     switch (mr) {
-#define CASE(m) case m: pair_rows(m, x, x_stride, gate, up, k, out, out_stride, ahead); break;
+#define CASE(m) case m: pair_rows(m, x, x_stride, gate, up, k, out, out_stride, plan); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
     CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
 #undef CASE
@@ -108,18 +128,25 @@ static void panels_for_rows(const float *x, int64_t x_stride, int64_t r0, int64_
         const float *b = panel_bias(bias, c0, cols, padded_bias);
         /* groups of even size (32 rows: 11 + 11 + 10, not 14 + 14 + 4) */
         const int64_t groups = (r1 - r0 + GROUP - 1) / GROUP;
-        /* the panel after this one, most often this thread's next, while the last group runs */
+        /* the panel after this one, most often this thread's next */
         const int64_t next = p + 1 < num_panels ? p + 1 : p;
+        const float *gate = panels + p * k * PANEL, *up = panels + (p + pairs) * k * PANEL;
+        const float *next_gate = panels + next * k * PANEL;
+        const float *next_up = panels + (next + pairs) * k * PANEL;
         for (int64_t g = 0, r = r0; g < groups; g++) {
             const int64_t mr = (r1 - r) / (groups - g);
-            const float *ahead = panels + (g == groups - 1 ? next : p) * k * PANEL;
-            if (pairs)
-                pair_group(mr, x + r * x_stride, x_stride, panels + p * k * PANEL,
-                           panels + (p + pairs) * k * PANEL, k, out + r * out_stride + c0,
-                           out_stride, ahead);
-            else
-                panel_group(mr, x + r * x_stride, x_stride, panels + p * k * PANEL, k, b,
-                            out + r * out_stride + c0, out_stride, cols, ahead);
+            if (pairs) {
+                /* the first gate pass fetches this pair's up panel; the other passes share
+                 * the next pair's two panels (one group: its up pass fetches the next gate) */
+                const prefetch_plan plan = groups == 1
+                    ? (prefetch_plan){up, 1, 0, next_gate, 1, 0}
+                    : (prefetch_plan){g ? next_gate : up, g ? groups - 1 : 1, g ? g - 1 : 0,
+                                      next_up, groups, g};
+                pair_group(mr, x + r * x_stride, x_stride, gate, up, k,
+                           out + r * out_stride + c0, out_stride, &plan);
+            } else
+                panel_group(mr, x + r * x_stride, x_stride, gate, k, b,
+                            out + r * out_stride + c0, out_stride, cols, next_gate, groups, g);
             r += mr;
         }
     }
