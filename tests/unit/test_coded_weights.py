@@ -73,18 +73,19 @@ def test_other_weights_are_not_coded(case):
 
 @pytest.mark.parametrize("form", [Q.Q4_0, Q.Q4_1, Q.Q8_0, "bfloat16"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_coded_kernel_equals_the_float32_panels_bit_for_bit(form, bias):
+@pytest.mark.parametrize("inputs", [96, 128, 320])
+def test_coded_kernel_equals_the_float32_panels_bit_for_bit(form, bias, inputs):
     torch.manual_seed(0)
-    # 100 outputs: a partial last panel; 320 inputs: chunks of 128, 128 and 64 where rows
-    # share rebuilt weights (more rows than one group)
-    w = ((torch.randn(100, 320) * 0.05).bfloat16().float() if form == "bfloat16"
-         else gguf_weight((100, 320), form, seed=1))
+    # 100 outputs: a partial last panel; where rows share rebuilt weights (more rows than one
+    # group), inputs go in chunks of 128: one partial chunk, one whole, or 128 + 128 + 64
+    w = ((torch.randn(100, inputs) * 0.05).bfloat16().float() if form == "bfloat16"
+         else gguf_weight((100, inputs), form, seed=1))
     b = torch.randn(100) if bias else None
     layer = PackedLinear(w, b)
     assert layer.codes is not None
     wide = torch.randn(40, 352)
     for rows in (1, 2, 7, 10, 11, 17, 29, CODED_MAX_ROWS):
-        x = wide[:rows, :320]  # rows with a stride wider than the inputs
+        x = wide[:rows, :inputs]  # rows with a stride wider than the inputs
         coded = layer(x)
         codes, layer.codes = layer.codes, None  # the float32 panels
         plain = layer(x)

@@ -11,8 +11,8 @@
  * step's few rows thus stream every weight once at memory speed, where general GEMMs spend
  * their time on packing and edge cases. While a panel's groups of rows run, each fetches its
  * share of the next panel into L2, so the next panel's first group does not wait on memory
- * (when the last group alone fetched it, 33 to 512 rows ran 7-16% slower on a host of 12 GB/s
- * a core: benchmarks/results/linear_cpu.md).
+ * (when the last group alone fetched it, a pass ran 11-19% slower at 33-64 rows and 3-4% at
+ * 512 on a host of 12 GB/s a core: benchmarks/results/linear_cpu.md).
  *
  * linear_silu_mul_f32 takes an MLP's gate and up projections on one weight (gate outputs,
  * then up outputs) and pairs gate panel p with up panel p + n / 32: each row group's 32 gate

@@ -25,9 +25,10 @@
  * the few rows of a decode step (the caller picks). Up to GROUP rows rebuild in registers as
  * they go. With more rows than that, codes take each chunk of 128 inputs rebuilt once into L1
  * and shared, groups of up to 14 rows reading it in turn (their sums wait in memory between
- * chunks, which changes no result): rebuilding for every group of 10 took 4-17% longer from
- * 11 to 32 rows (benchmarks/results/linear_cpu.md). bfloat16 values, two operations to
- * rebuild, are widened again by each group: storing and rereading them cost more.
+ * chunks, which changes no result). From 11 to 32 rows, rebuilding for every group of 10 took
+ * 2-21% longer with 4-bit codes, and with 8-bit ones 4-11% longer at 11, 24 and 32 rows, level
+ * at 20 and 6% less at 16 (benchmarks/results/linear_cpu.md). bfloat16 values, two operations
+ * to rebuild, are widened again by each group: storing and rereading them cost more.
  */
 #include <stddef.h>
 #include <stdlib.h>
