@@ -95,7 +95,8 @@ static void panel_group(int64_t mr, const float *x, int64_t x_stride, const floa
 {
     switch (mr) {
 #define CASE(m) case m:                                                                     \
-        panel_rows(m, x, x_stride, panel, k, bias, out, out_stride, cols, ahead, share, part); break;
+        panel_rows(m, x, x_stride, panel, k, bias, out, out_stride, cols, ahead, share, part);  \
+        break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
     CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
 #undef CASE
@@ -130,8 +131,9 @@ static void panels_for_rows(const float *x, int64_t x_stride, int64_t r0, int64_
         const int64_t groups = (r1 - r0 + GROUP - 1) / GROUP;
         /* the panel after this one, most often this thread's next */
         const int64_t next = p + 1 < num_panels ? p + 1 : p;
-        const float *gate = panels + p * k * PANEL, *up = panels + (p + pairs) * k * PANEL;
-        const float *next_gate = panels + next * k * PANEL;
+        /* the panel (of a pair: the gate panel), and the next one; a pair's up panels */
+        const float *panel = panels + p * k * PANEL, *next_panel = panels + next * k * PANEL;
+        const float *up = panels + (p + pairs) * k * PANEL;
         const float *next_up = panels + (next + pairs) * k * PANEL;
         for (int64_t g = 0, r = r0; g < groups; g++) {
             const int64_t mr = (r1 - r) / (groups - g);
@@ -139,14 +141,14 @@ static void panels_for_rows(const float *x, int64_t x_stride, int64_t r0, int64_
                 /* the first gate pass fetches this pair's up panel; the other passes share
                  * the next pair's two panels (one group: its up pass fetches the next gate) */
                 const prefetch_plan plan = groups == 1
-                    ? (prefetch_plan){up, 1, 0, next_gate, 1, 0}
-                    : (prefetch_plan){g ? next_gate : up, g ? groups - 1 : 1, g ? g - 1 : 0,
+                    ? (prefetch_plan){up, 1, 0, next_panel, 1, 0}
+                    : (prefetch_plan){g ? next_panel : up, g ? groups - 1 : 1, g ? g - 1 : 0,
                                       next_up, groups, g};
-                pair_group(mr, x + r * x_stride, x_stride, gate, up, k,
+                pair_group(mr, x + r * x_stride, x_stride, panel, up, k,
                            out + r * out_stride + c0, out_stride, &plan);
             } else
-                panel_group(mr, x + r * x_stride, x_stride, gate, k, b,
-                            out + r * out_stride + c0, out_stride, cols, next_gate, groups, g);
+                panel_group(mr, x + r * x_stride, x_stride, panel, k, b,
+                            out + r * out_stride + c0, out_stride, cols, next_panel, groups, g);
             r += mr;
         }
     }

@@ -325,8 +325,9 @@ void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void
         const void *panel = (const char *)codes + p * k * PANEL * code_bits / 8;
         const void *run_params = code_bits == 16 ? NULL
             : (const char *)params + p * (k / RUN) * 2 * PANEL * param_bytes;
-        if (groups > 1 && code_bits != 16 && shared_rows(code_bits, x, x_stride, rows, panel, run_params, k, b,
-                                      out + c0, out_stride, cols))
+        if (groups > 1 && code_bits != 16
+                && shared_rows(code_bits, x, x_stride, rows, panel, run_params, k, b, out + c0,
+                               out_stride, cols))
             continue;
         for (int64_t g = 0, r = 0; g < groups; g++) {
             const int64_t mr = (rows - r) / (groups - g);
