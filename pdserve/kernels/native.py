@@ -6,6 +6,13 @@ that hashes the sources, the flags, the compiler and the CPU, so a shared home d
 hands one machine another's build. An engine loads it when its model is built (`load()`), so
 the first build (under a second) never lands on a request. Without a compiler, or with
 `PDSERVE_NATIVE_KERNELS=0`, `load()` returns None and the torch kernels serve instead.
+
+The kernels are written on vectors of 16 float32 lanes (csrc/vec16.h), one AVX-512 register.
+A compiler whose target lacks AVX-512 (an AVX2 x86 CPU, an Arm one) keeps such vectors in
+memory and moves them piece by piece: GCC 12's AVX2 build ran linear_f32 at 3 GFLOP/s where
+the AVX-512 one runs at 310 and oneDNN on AVX2 at about 150 (benchmarks/results/linear_cpu.md,
+"AVX2 builds"). So the library is built only for an AVX-512 target, and elsewhere the torch
+kernels serve.
 """
 
 from __future__ import annotations
@@ -91,6 +98,16 @@ def _cpu_identity() -> str:
     return "|".join(dict.fromkeys(line for line in lines if line.startswith(wanted)))
 
 
+def _targets_avx512(cc: str) -> bool:
+    """Whether `cc -march=native` compiles for AVX-512 (its predefined macros say so)."""
+    try:
+        done = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and "#define __AVX512F__ 1" in done.stdout
+
+
 def _build_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
@@ -125,6 +142,10 @@ def load() -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
         log.info("no C compiler found: the torch CPU kernels serve")
+        return None
+    if not _targets_avx512(cc):
+        log.info("%s -march=native does not target AVX-512, which the native kernels' vectors "
+                 "need: the torch CPU kernels serve", cc)
         return None
     importlib.import_module("torch")  # its libgomp first: the library then shares its threads
 

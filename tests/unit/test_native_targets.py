@@ -5,7 +5,8 @@ The library is compiled with -march=native, so a test run exercises only this ma
 vector path. Here the kernels are also compiled for AVX2 with F16C (haswell) and for plain
 x86-64 (the scalar fallbacks) and run on this CPU: every coded form must give that build's
 float32 panels' results bit for bit (x86-64's with PDSERVE_SLOW_TESTS=1), and decode attention
-must match a float64 reference.
+must match a float64 reference. Those builds are tested, but an engine does not load them:
+a compiler that does not target AVX-512 leaves the torch kernels serving.
 """
 
 import ctypes
@@ -155,3 +156,27 @@ def test_decode_attention_on_other_targets(target, tmp_path):
         assert code == 0
         want = reference(q, k_cache, v_cache, tables, lens, d ** -0.5)
         torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_a_compiler_without_avx512_leaves_the_torch_kernels(tmp_path, monkeypatch):
+    """The real compiler, told to target haswell (AVX2) where it is told -march=native: load()
+    must refuse before building anything (such a build keeps the kernels' 16-lane vectors in
+    memory and ran linear_f32 100x slower), while this CPU's own target passes."""
+    real = native._compiler()
+    assert native._targets_avx512(real) == ("avx512f" in CPU_FLAGS)
+    haswell = tmp_path / "cc-haswell"
+    haswell.write_text("#!/bin/sh\n"
+                       'for a do shift; [ "$a" = -march=native ] && a=-march=haswell; '
+                       'set -- "$@" "$a"; done\n'
+                       f'exec "{real}" "$@"\n')
+    haswell.chmod(0o755)
+    assert not native._targets_avx512(str(haswell))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CC", str(haswell))
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    assert native.load.__wrapped__() is None  # load() itself stays cached for other tests
+    assert not cache.exists() or not any(cache.iterdir())
+    monkeypatch.setenv("CC", real)
+    if "avx512f" in CPU_FLAGS:
+        assert native.load.__wrapped__() is not None
+        assert any(cache.glob("native-*.so"))
