@@ -75,8 +75,8 @@ def _guesses(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def encode(weight: torch.Tensor) -> CodedWeight | None:
     """A float32 CPU weight (out, in) as 4-bit codes, else 8-bit codes, else bfloat16, else
-    None (also when disabled, or the native kernels are not built or not for x86's AVX2 or
-    AVX-512)."""
+    None (also when disabled, or the native kernels are not built: they are for AVX-512
+    only)."""
     if (os.environ.get(DISABLE_ENV, "1") == "0" or weight.dtype != torch.float32
             or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0):
         return None

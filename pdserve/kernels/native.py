@@ -4,8 +4,9 @@ The library is built with the system's C compiler (`$CC`, else `cc` / `gcc`) for
 runs on (`-march=native`), into `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a name
 that hashes the sources, the flags, the compiler and the CPU, so a shared home directory never
 hands one machine another's build. An engine loads it when its model is built (`load()`), so
-the first build (under a second) never lands on a request. Without a compiler, or with
-`PDSERVE_NATIVE_KERNELS=0`, `load()` returns None and the torch kernels serve instead.
+the first build (under a second) never lands on a request. Without a compiler, without
+AVX-512 (below), or with `PDSERVE_NATIVE_KERNELS=0`, `load()` returns None and the torch
+kernels serve instead.
 
 The kernels are written on vectors of 16 float32 lanes (csrc/vec16.h), one AVX-512 register.
 A compiler whose target lacks AVX-512 (an AVX2 x86 CPU, an Arm one) keeps such vectors in
@@ -24,6 +25,7 @@ import importlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -84,8 +86,10 @@ _VOID = {"rms_norm_f32", "add_rms_norm_f32", "argmax_rows_f32", "silu_mul_f32", 
          "linear_f32", "linear_coded_f32"}
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> list[str] | None:
+    """The C compiler's command words (`$CC` may carry several: "ccache gcc")."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return shlex.split(cc) if cc else None
 
 
 def _cpu_identity() -> str:
@@ -98,34 +102,40 @@ def _cpu_identity() -> str:
     return "|".join(dict.fromkeys(line for line in lines if line.startswith(wanted)))
 
 
-def _targets_avx512(cc: str) -> bool:
-    """Whether `cc -march=native` compiles for AVX-512 (its predefined macros say so)."""
+def _targets_avx512(cc: list[str]) -> bool:
+    """Whether `cc -march=native` compiles for AVX-512 (its predefined macros say so); False,
+    with a warning, when the compiler cannot be asked."""
     try:
-        done = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
-                              capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
+        done = subprocess.run([*cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
+                              capture_output=True, text=True, errors="replace", timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not ask %s for its target: %s", shlex.join(cc), e)
         return False
-    return done.returncode == 0 and "#define __AVX512F__ 1" in done.stdout
+    if done.returncode != 0:
+        log.warning("%s -march=native -dM -E failed: %s", shlex.join(cc), done.stderr[-500:])
+        return False
+    return "#define __AVX512F__ 1" in done.stdout
 
 
-def _build_key(cc: str) -> str:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
+def _build_key(cc: list[str]) -> str:
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True,
+                             errors="replace", timeout=30).stdout
     parts = [(_CSRC / s).read_bytes() for s in SOURCES + HEADERS]
-    parts += [" ".join(FLAGS).encode(), cc.encode(), version.encode(),
+    parts += [" ".join(FLAGS).encode(), shlex.join(cc).encode(), version.encode(),
               platform.machine().encode(), _cpu_identity().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: list[str], target: Path) -> None:
     """Compile into a temporary file beside `target`, then rename (concurrent builders race
     harmlessly)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, *(str(_CSRC / s) for s in SOURCES), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        cmd = [*cc, *FLAGS, *(str(_CSRC / s) for s in SOURCES), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                              timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -145,7 +155,7 @@ def load() -> ctypes.CDLL | None:
         return None
     if not _targets_avx512(cc):
         log.info("%s -march=native does not target AVX-512, which the native kernels' vectors "
-                 "need: the torch CPU kernels serve", cc)
+                 "need: the torch CPU kernels serve", shlex.join(cc))
         return None
     importlib.import_module("torch")  # its libgomp first: the library then shares its threads
 
