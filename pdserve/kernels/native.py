@@ -5,15 +5,15 @@ runs on (`-march=native`), into `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`
 that hashes the sources, the flags, the compiler and the CPU, so a shared home directory never
 hands one machine another's build. An engine loads it when its model is built (`load()`), so
 the first build (under a second) never lands on a request. Without a compiler, without
-AVX-512 (below), or with `PDSERVE_NATIVE_KERNELS=0`, `load()` returns None and the torch
-kernels serve instead.
+AVX-512 or AVX2 with FMA (below), or with `PDSERVE_NATIVE_KERNELS=0`, `load()` returns None
+and the torch kernels serve instead.
 
-The kernels are written on vectors of 16 float32 lanes (csrc/vec16.h), one AVX-512 register.
-A compiler whose target lacks AVX-512 (an AVX2 x86 CPU, an Arm one) keeps such vectors in
-memory and moves them piece by piece: GCC 12's AVX2 build ran linear_f32 at 3 GFLOP/s where
-the AVX-512 one runs at 310 and oneDNN on AVX2 at about 150 (benchmarks/results/linear_cpu.md,
-"AVX2 builds"). So the library is built only for an AVX-512 target, and elsewhere the torch
-kernels serve.
+The kernels are written on vectors of the target's register width (csrc/vec.h): 16 float32
+lanes for AVX-512, 8 for AVX2 (with FMA). A vector wider than the registers would be kept in
+memory (GCC 12 ran a 16-lane linear_f32 built for AVX2 at 3 GFLOP/s, where the 8-lane build
+runs near the AVX2 peak: benchmarks/results/linear_cpu.md, "AVX2 builds"), so the width is
+asked of the compiler first. Other targets (older x86, Arm) get the torch kernels; the
+4-bit/8-bit/bfloat16 coded weights are for AVX-512 only (`linear_coded_supported()`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "argmax.c", "linear.c",
-           "linear_coded.c", "decoder_layers.c", "decoder_lanes.c")
-HEADERS = ("vec16.h", "kernels.h", "decoder_layers.h", "panel.h")
+           "linear_coded.c", "decoder_layers.c", "decoder_lanes.c", "vector_lanes.c")
+HEADERS = ("vec.h", "kernels.h", "decoder_layers.h", "panel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"
@@ -70,6 +70,7 @@ _SIGNATURES = {
     "linear_coded_f32": [_ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr,
                          _i64, ctypes.c_int],
     "linear_coded_supported": [],
+    "vector_lanes": [],
     # v, runs, guess_scales, guess_offsets, num_guesses, codes, scales, offsets, num_threads
     "code_runs_f32": [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int],
     # x, row_stride, rows, heads, head_dim, cos, sin, num_threads
@@ -102,19 +103,25 @@ def _cpu_identity() -> str:
     return "|".join(dict.fromkeys(line for line in lines if line.startswith(wanted)))
 
 
-def _targets_avx512(cc: list[str]) -> bool:
-    """Whether `cc -march=native` compiles for AVX-512 (its predefined macros say so); False,
-    with a warning, when the compiler cannot be asked."""
+def vector_lanes(cc: list[str]) -> int | None:
+    """The float32 lanes of the vectors `cc -march=native` compiles for (its predefined macros
+    say): 16 for AVX-512, 8 for AVX2 with FMA, else None (also, with a warning, when the
+    compiler cannot be asked)."""
     try:
         done = subprocess.run([*cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
                               capture_output=True, text=True, errors="replace", timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not ask %s for its target: %s", shlex.join(cc), e)
-        return False
+        return None
     if done.returncode != 0:
         log.warning("%s -march=native -dM -E failed: %s", shlex.join(cc), done.stderr[-500:])
-        return False
-    return "#define __AVX512F__ 1" in done.stdout
+        return None
+    macros = set(done.stdout.splitlines())
+    if "#define __AVX512F__ 1" in macros:
+        return 16
+    if {"#define __AVX2__ 1", "#define __FMA__ 1"} <= macros:
+        return 8
+    return None
 
 
 def _build_key(cc: list[str]) -> str:
@@ -153,9 +160,10 @@ def load() -> ctypes.CDLL | None:
     if cc is None:
         log.info("no C compiler found: the torch CPU kernels serve")
         return None
-    if not _targets_avx512(cc):
-        log.info("%s -march=native does not target AVX-512, which the native kernels' vectors "
-                 "need: the torch CPU kernels serve", shlex.join(cc))
+    lanes = vector_lanes(cc)
+    if lanes is None:
+        log.info("%s -march=native targets neither AVX-512 nor AVX2 with FMA, which the native "
+                 "kernels' vectors need: the torch CPU kernels serve", shlex.join(cc))
         return None
     importlib.import_module("torch")  # its libgomp first: the library then shares its threads
 
@@ -172,4 +180,9 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None if name in _VOID else _RESULT.get(name, ctypes.c_int)
+    if lib.vector_lanes() != lanes:
+        log.warning("native CPU kernels built for %d lanes where %d were asked for: the torch "
+                    "kernels serve", lib.vector_lanes(), lanes)
+        return None
+    log.info("native CPU kernels on %d float32 lanes", lanes)
     return lib

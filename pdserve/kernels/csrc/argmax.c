@@ -1,11 +1,11 @@
 /* The first index of each row's largest value, float32, as torch.argmax gives it: ties go to
  * the first, and a NaN counts as the largest (the first NaN wins). One pass over a row in
- * sixteen lanes, each keeping its maximum and the first block that held it; the row's answer
+ * VL lanes (vec.h), each keeping its maximum and the first block that held it; the row's answer
  * is the lowest index among the lanes holding the overall maximum. torch's own argmax takes
  * seven to eleven times as long over a 49,152-token vocabulary (1-64 rows, 2 cores).
  */
 #include "kernels.h"
-#include "vec16.h"
+#include "vec.h"
 
 static int64_t first_nan(const float *x, int64_t n)
 {
@@ -17,15 +17,15 @@ static int64_t first_nan(const float *x, int64_t n)
 
 static int64_t argmax_row(const float *x, int64_t n)
 {
-    v16 best = SPLAT(-__builtin_inff());  /* each lane's maximum so far ... */
-    i16 at = (i16)SPLAT(0.f);             /* ... the first block that held it ... */
-    i16 nan = at;                         /* ... and whether the lane met a NaN */
+    vf best = SPLAT(-__builtin_inff());  /* each lane's maximum so far ... */
+    vi at = (vi)SPLAT(0.f);             /* ... the first block that held it ... */
+    vi nan = at;                         /* ... and whether the lane met a NaN */
     int64_t i = 0;
-    for (int32_t block = 0; i + 16 <= n; i += 16, block++) {
-        const v16 v = load16(x + i);
-        const i16 higher = v > best;      /* strictly: a tie keeps the first */
+    for (int32_t block = 0; i + VL <= n; i += VL, block++) {
+        const vf v = loadv(x + i);
+        const vi higher = v > best;      /* strictly: a tie keeps the first */
         best = vselect(higher, v, best);
-        at = (at & ~higher) | (((i16){0} + block) & higher);
+        at = (at & ~higher) | (((vi){0} + block) & higher);
         nan |= v != v;
     }
     float top = -__builtin_inff();
@@ -33,9 +33,9 @@ static int64_t argmax_row(const float *x, int64_t n)
     int has_nan = 0;
     if (i > 0) {
         top = hmax(best);
-        for (int k = 0; k < 16; k++) {
+        for (int k = 0; k < VL; k++) {
             has_nan |= nan[k] != 0;
-            const int64_t index = (int64_t)at[k] * 16 + k;
+            const int64_t index = (int64_t)at[k] * VL + k;
             if (best[k] == top && index < first)
                 first = index;
         }

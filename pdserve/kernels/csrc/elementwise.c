@@ -11,17 +11,17 @@
  * of them (waking threads costs more than a decode step's few rows).
  */
 #include "kernels.h"
-#include "vec16.h"
+#include "vec.h"
 
 static void norm_row(const float *x, const float *w, float *out, int64_t n, float eps)
 {
-    v16 acc = SPLAT(0.f);
+    vf acc = SPLAT(0.f);
     float tail = 0.f;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) { const v16 v = load16(x + i); acc += v * v; }
+    for (; i + VL <= n; i += VL) { const vf v = loadv(x + i); acc += v * v; }
     for (int64_t k = i; k < n; k++) tail += x[k] * x[k];
     const float inv = 1.0f / __builtin_sqrtf((hsum(acc) + tail) / (float)n + eps);
-    for (i = 0; i + 16 <= n; i += 16) store16(out + i, load16(x + i) * SPLAT(inv) * load16(w + i));
+    for (i = 0; i + VL <= n; i += VL) storev(out + i, loadv(x + i) * SPLAT(inv) * loadv(w + i));
     for (; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
@@ -42,7 +42,7 @@ void add_rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t de
         float *xr = x + r * x_stride;
         const float *dr = delta + r * delta_stride;
         int64_t i = 0;
-        for (; i + 16 <= n; i += 16) store16(xr + i, load16(xr + i) + load16(dr + i));
+        for (; i + VL <= n; i += VL) storev(xr + i, loadv(xr + i) + loadv(dr + i));
         for (; i < n; i++) xr[i] += dr[i];
         norm_row(xr, w, out + r * out_stride, n, eps);
     }
@@ -56,8 +56,8 @@ void silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t out_st
         const float *g = gu + r * gu_stride, *u = g + n;
         float *o = out + r * out_stride;
         int64_t i = 0;
-        for (; i + 16 <= n; i += 16) store16(o + i, silu_mul16(load16(g + i), load16(u + i)));
-        for (; i < n; i++) o[i] = silu_mul16(SPLAT(g[i]), SPLAT(u[i]))[0];
+        for (; i + VL <= n; i += VL) storev(o + i, silu_mulv(loadv(g + i), loadv(u + i)));
+        for (; i < n; i++) o[i] = silu_mulv(SPLAT(g[i]), SPLAT(u[i]))[0];
     }
 }
 
@@ -71,11 +71,11 @@ void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
         for (int64_t j = 0; j < heads; j++) {
             float *a = x + t * row_stride + j * head_dim, *b = a + half;
             int64_t i = 0;
-            for (; i + 16 <= half; i += 16) {
-                const v16 av = load16(a + i), bv = load16(b + i);
-                const v16 cv = load16(c + i), sv = load16(s + i);
-                store16(a + i, av * cv - bv * sv);
-                store16(b + i, bv * cv + av * sv);
+            for (; i + VL <= half; i += VL) {
+                const vf av = loadv(a + i), bv = loadv(b + i);
+                const vf cv = loadv(c + i), sv = loadv(s + i);
+                storev(a + i, av * cv - bv * sv);
+                storev(b + i, bv * cv + av * sv);
             }
             for (; i < half; i++) {
                 const float av = a[i], bv = b[i];

@@ -8,6 +8,7 @@
  * others costs more than a decode step's few rows. */
 #define PARALLEL_MIN_VALUES (1 << 16)
 
+int vector_lanes(void);
 void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
                   int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads);
 void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t n, int64_t *out,

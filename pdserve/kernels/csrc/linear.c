@@ -5,8 +5,9 @@
  *   x        (rows, k), row stride x_stride;  out (rows, n), row stride out_stride
  *
  * Each output is one fused multiply-add chain over k in order, starting from the bias: a row's
- * result does not depend on which other rows share the call. Up to 14 rows share a panel's k
- * loop (28 accumulators, the weights loaded once for all of them); rows are taken in blocks
+ * result does not depend on which other rows share the call. Up to GROUP rows share a panel's k
+ * loop (14 rows and 28 accumulators with 16 lanes; 6 rows and 12 with AVX2's 8 lanes, in two
+ * passes of 16 outputs; the weights loaded once for all of them); rows are taken in blocks
  * small enough for the cache, and a block's panels are split among OpenMP threads. A decode
  * step's few rows thus stream every weight once at memory speed, where general GEMMs spend
  * their time on packing and edge cases. While a panel's groups of rows run, each fetches its
@@ -24,7 +25,11 @@
 #include "kernels.h"
 #include "panel.h"
 
+#if VL == 16
 #define GROUP 14
+#else
+#define GROUP 6  /* 12 accumulators, 2 weights, 1 input: AVX2 has 16 registers */
+#endif
 #define BLOCK_BYTES (512 * 1024)  /* rows of x per block: about this much of them */
 
 /* Which panels a group fetches into L2 while it works: `share` groups split a panel of
@@ -36,16 +41,16 @@ typedef struct {
     int64_t up_share, up_part;
 } prefetch_plan;
 
-/* acc[m] += rows x panel over all k inputs: `mr` is a constant in every call, so the loops
- * unroll. Part `part` of `share` of the panel `ahead` (k, 32) is fetched into L2 on the way,
- * so that a panel's groups together fetch the next one. */
+/* acc[m] += rows x the panel's outputs c .. c + SPAN over all k inputs: `mr` is a constant in
+ * every call, so the loops unroll. Part `part` of `share` of the panel `ahead` (k, 32) is
+ * fetched into L2 on the way, so that a panel's groups together fetch the next one. */
 static inline __attribute__((always_inline)) void
-panel_loop(int mr, v16 acc[][2], const float *x, int64_t x_stride, const float *panel,
+panel_loop(int mr, vf acc[][2], const float *x, int64_t x_stride, const float *panel, int c,
            int64_t k, const float *ahead, int64_t share, int64_t part)
 {
     const float *a = ahead + part * k / share * PANEL;  /* a row every `share` inputs */
     for (int64_t i = 0, turn = 0; i < k; i++) {
-        const v16 w0 = load16(panel + i * PANEL), w1 = load16(panel + i * PANEL + 16);
+        const vf w0 = loadv(panel + i * PANEL + c), w1 = loadv(panel + i * PANEL + c + VL);
         __builtin_prefetch(panel + (i + 16) * PANEL);
         __builtin_prefetch(panel + (i + 16) * PANEL + 16);
         __builtin_prefetch(a, 0, 2);
@@ -58,16 +63,18 @@ panel_loop(int mr, v16 acc[][2], const float *x, int64_t x_stride, const float *
     }
 }
 
-/* rows x 32 outputs of one panel. */
+/* rows x 32 outputs of one panel (the first `cols` of them stored), SPAN at a time. */
 static inline __attribute__((always_inline)) void
 panel_rows(int mr, const float *x, int64_t x_stride, const float *panel, int64_t k,
            const float *bias, float *out, int64_t out_stride, int64_t cols, const float *ahead,
            int64_t share, int64_t part)
 {
-    v16 acc[GROUP][2];  /* 28 of the 32 vector registers */
-    panel_start(mr, acc, bias);
-    panel_loop(mr, acc, x, x_stride, panel, k, ahead, share, part);
-    panel_store(mr, acc, out, out_stride, cols);
+    vf acc[GROUP][2];  /* 28 of the 32 vector registers (AVX-512), 12 of 16 (AVX2) */
+    for (int c = 0; c < cols; c += SPAN) {
+        panel_start(mr, acc, bias ? bias + c : NULL);
+        panel_loop(mr, acc, x, x_stride, panel, c, k, ahead, share, part);
+        panel_store(mr, acc, out + c, out_stride, cols - c < SPAN ? cols - c : SPAN);
+    }
 }
 
 /* rows x 32 outputs of silu(gate) * up: the gate panel's results wait in L1 while the up
@@ -80,14 +87,23 @@ pair_rows(int mr, const float *x, int64_t x_stride, const float *gate, const flo
     float g[GROUP * PANEL] __attribute__((aligned(64)));
     panel_rows(mr, x, x_stride, gate, k, NULL, g, PANEL, PANEL, plan->gate_ahead,
                plan->gate_share, plan->gate_part);
-    v16 acc[GROUP][2];
-    panel_start(mr, acc, NULL);
-    panel_loop(mr, acc, x, x_stride, up, k, plan->up_ahead, plan->up_share, plan->up_part);
-    for (int m = 0; m < mr; m++)
-        for (int half = 0; half < 2; half++)
-            store16(out + m * out_stride + 16 * half,
-                    silu_mul16(load16(g + m * PANEL + 16 * half), acc[m][half]));
+    vf acc[GROUP][2];
+    for (int c = 0; c < PANEL; c += SPAN) {
+        panel_start(mr, acc, NULL);
+        panel_loop(mr, acc, x, x_stride, up, c, k, plan->up_ahead, plan->up_share,
+                   plan->up_part);
+        for (int m = 0; m < mr; m++)
+            for (int half = 0; half < 2; half++)
+                storev(out + m * out_stride + c + VL * half,
+                       silu_mulv(loadv(g + m * PANEL + c + VL * half), acc[m][half]));
+    }
 }
+
+#if GROUP == 14
+#define CASES_7_TO_14 CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
+#else
+#define CASES_7_TO_14
+#endif
 
 static void panel_group(int64_t mr, const float *x, int64_t x_stride, const float *panel,
                         int64_t k, const float *bias, float *out, int64_t out_stride,
@@ -97,8 +113,7 @@ static void panel_group(int64_t mr, const float *x, int64_t x_stride, const floa
 #define CASE(m) case m:                                                                     \
         panel_rows(m, x, x_stride, panel, k, bias, out, out_stride, cols, ahead, share, part);  \
         break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
-    CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASES_7_TO_14
 #undef CASE
     }
 }
@@ -109,8 +124,7 @@ static void pair_group(int64_t mr, const float *x, int64_t x_stride, const float
 {
     switch (mr) {
 #define CASE(m) case m: pair_rows(m, x, x_stride, gate, up, k, out, out_stride, plan); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
-    CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASES_7_TO_14
 #undef CASE
     }
 }

@@ -33,137 +33,68 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
-#endif
 
 #include "kernels.h"
 #include "panel.h"
+
+/* Written for AVX-512 (16 lanes, 32 registers); an AVX2 build offers none of it and the
+ * panels of linear.c serve (linear_coded_supported() is 0). */
+#if VL == 16
 
 #define RUN 32    /* inputs per scale and offset */
 #define GROUP 10  /* 20 accumulators, 4 scale / offset vectors, 2 weights, 1 input */
 #define SHARED_GROUP 14  /* rows on rebuilt weights: 28 accumulators, 2 weights, 1 input */
 #define CHUNK 128  /* inputs rebuilt at a time: 16 KiB of float32, in L1; RUN divides it */
 
-typedef int8_t c16 __attribute__((vector_size(16)));
-
-#if defined(__AVX2__)
-/* Two AVX2 halves as one v16 (AVX-512 has the whole width in one register). */
-static inline v16 join(__m256 lo, __m256 hi)
-{
-    v16 c;
-    memcpy(&c, &lo, sizeof lo);
-    memcpy((char *)&c + sizeof lo, &hi, sizeof hi);
-    return c;
-}
-#endif
-
 /* Widen and convert 16 codes with the vector instructions (vpmovsxbd + vcvtdq2ps): GCC's
  * vector extensions would go through scalars. Elsewhere the kernel is not offered. */
-static inline v16 decode16(const int8_t *codes, v16 scale, v16 offset)
+static inline vf decode16(const int8_t *codes, vf scale, vf offset)
 {
-    v16 c;
-#if defined(__AVX512F__)
-    c = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
-#elif defined(__AVX2__)
-    c = join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes))),
-             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                 _mm_loadl_epi64((const __m128i *)(codes + 8)))));
-#else
-    c16 bytes;
-    memcpy(&bytes, codes, sizeof bytes);
-    c = __builtin_convertvector(__builtin_convertvector(bytes, i16), v16);
-#endif
+    vf c;
+    c = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
     return scale * c + offset;
 }
 
 /* 32 codes of 4 bits (16 bytes: low halves outputs 0-15, high halves 16-31), rebuilt as
  * decode16 rebuilds 8-bit ones: the same values from the same scales and offsets. */
-static inline void decode_nibbles(const uint8_t *codes, v16 s0, v16 o0, v16 s1, v16 o1,
-                                  v16 *w0, v16 *w1)
+static inline void decode_nibbles(const uint8_t *codes, vf s0, vf o0, vf s1, vf o1,
+                                  vf *w0, vf *w1)
 {
-    v16 lo, hi;
-#if defined(__AVX512F__)
+    vf lo, hi;
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-#elif defined(__AVX2__)
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8)));
-    const __m256i mask = _mm256_set1_epi32(15);
-    lo = join(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)),
-              _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)));
-    hi = join(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
-              _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)));
-#else
-    for (int j = 0; j < 16; j++) {
-        lo[j] = (float)(codes[j] & 15);
-        hi[j] = (float)(codes[j] >> 4);
-    }
-#endif
+    lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
     *w0 = s0 * lo + o0;
     *w1 = s1 * hi + o1;
 }
 
 /* 16 float16 values widened to float32 (exactly). */
-static inline v16 widen_f16(const uint16_t *h)
+static inline vf widen_f16(const uint16_t *h)
 {
-#if defined(__AVX512F__)
-    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-#elif defined(__AVX2__) && defined(__F16C__)
-    return join(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
-#else
-    v16 c;
-    for (int j = 0; j < 16; j++) {  /* the magnitude from exponent and fraction, then the sign */
-        const int e = (h[j] >> 10) & 31, f = h[j] & 1023;
-        const float m = e == 0 ? __builtin_ldexpf((float)f, -24)
-                      : e == 31 ? (f ? __builtin_nanf("") : __builtin_inff())
-                      : __builtin_ldexpf((float)(f | 1024), e - 25);
-        c[j] = h[j] & 0x8000 ? -m : m;
-    }
-    return c;
-#endif
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
 
 /* 16 bfloat16 values (their bit patterns) widened to float32: zero-extend, shift left 16. */
-static inline v16 widen_bf16(const uint16_t *h)
+static inline vf widen_bf16(const uint16_t *h)
 {
-#if defined(__AVX512F__)
-    return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
-#elif defined(__AVX2__)
-    const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(
-        _mm_loadu_si128((const __m128i *)h)), 16);
-    const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(
-        _mm_loadu_si128((const __m128i *)(h + 8))), 16);
-    return join(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi));
-#else
-    i16 c;
-    for (int j = 0; j < 16; j++) c[j] = (int32_t)h[j] << 16;
-    return (v16)c;
-#endif
 }
 
 /* Whether this build converts codes with vector instructions (else the panels serve): 1 for
  * the 8-bit and bfloat16 forms, 3 when the 4-bit one (float16 scales) too. */
 int linear_coded_supported(void)
 {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
     return 3;
-#elif defined(__AVX2__)
-    return 1;
-#else
-    return 0;
-#endif
 }
 
 /* Input i's 32 weights of a panel, rebuilt: (w0, w1) for outputs 0-15 and 16-31. `run`
  * holds the current run's scales and offsets (s0, s1, o0, o1), read afresh as each run of 32
  * inputs begins; the next codes are fetched on the way. */
 static inline __attribute__((always_inline)) void
-rebuild_input(int bits, const void *codes, const void *params, int64_t i, v16 run[4], v16 *w0,
-              v16 *w1)
+rebuild_input(int bits, const void *codes, const void *params, int64_t i, vf run[4], vf *w0,
+              vf *w1)
 {
     if (bits == 16) {
         const uint16_t *c = (const uint16_t *)codes + i * PANEL;
@@ -173,7 +104,7 @@ rebuild_input(int bits, const void *codes, const void *params, int64_t i, v16 ru
     } else if (bits == 8) {
         if (i % RUN == 0) {
             const float *p = (const float *)params + i / RUN * 2 * PANEL;
-            for (int j = 0; j < 4; j++) run[j] = load16(p + 16 * j);
+            for (int j = 0; j < 4; j++) run[j] = loadv(p + 16 * j);
         }
         const int8_t *c = (const int8_t *)codes + i * PANEL;
         __builtin_prefetch(c + 32 * PANEL);
@@ -197,11 +128,11 @@ coded_rows(int mr, int bits, const float *x, int64_t x_stride, const void *codes
            const void *params, int64_t k, const float *bias, float *out, int64_t out_stride,
            int64_t cols)
 {
-    v16 acc[GROUP][2];
+    vf acc[GROUP][2];
     panel_start(mr, acc, bias);
-    v16 run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
+    vf run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
     for (int64_t i = 0; i < k; i++) {
-        v16 w0, w1;
+        vf w0, w1;
         rebuild_input(bits, codes, params, i, run, &w0, &w1);
         panel_step(mr, acc, x, x_stride, i, w0, w1);
     }
@@ -213,12 +144,12 @@ static inline __attribute__((always_inline)) void
 rebuild_chunk(int bits, const void *codes, const void *params, int64_t i0, int64_t n,
               float *chunk)
 {
-    v16 run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
+    vf run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
     for (int64_t i = i0; i < i0 + n; i++) {
-        v16 w0, w1;
+        vf w0, w1;
         rebuild_input(bits, codes, params, i, run, &w0, &w1);
-        store16(chunk + (i - i0) * PANEL, w0);
-        store16(chunk + (i - i0) * PANEL + 16, w1);
+        storev(chunk + (i - i0) * PANEL, w0);
+        storev(chunk + (i - i0) * PANEL + 16, w1);
     }
 }
 
@@ -228,17 +159,17 @@ static inline __attribute__((always_inline)) void
 chunk_rows(int mr, const float *x, int64_t x_stride, int64_t i0, int64_t n, const float *chunk,
            float *acc_rows)
 {
-    v16 acc[SHARED_GROUP][2];
+    vf acc[SHARED_GROUP][2];
     for (int m = 0; m < mr; m++) {
-        acc[m][0] = load16(acc_rows + m * PANEL);
-        acc[m][1] = load16(acc_rows + m * PANEL + 16);
+        acc[m][0] = loadv(acc_rows + m * PANEL);
+        acc[m][1] = loadv(acc_rows + m * PANEL + 16);
     }
     for (int64_t i = 0; i < n; i++)
-        panel_step(mr, acc, x + i0, x_stride, i, load16(chunk + i * PANEL),
-                   load16(chunk + i * PANEL + 16));
+        panel_step(mr, acc, x + i0, x_stride, i, loadv(chunk + i * PANEL),
+                   loadv(chunk + i * PANEL + 16));
     for (int m = 0; m < mr; m++) {
-        store16(acc_rows + m * PANEL, acc[m][0]);
-        store16(acc_rows + m * PANEL + 16, acc[m][1]);
+        storev(acc_rows + m * PANEL, acc[m][0]);
+        storev(acc_rows + m * PANEL + 16, acc[m][1]);
     }
 }
 
@@ -362,8 +293,8 @@ int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
                 c[j] = in_range ? (int8_t)q : 0;
             }
             float rebuilt[RUN];
-            store16(rebuilt, decode16(c, SPLAT(s), SPLAT(o)));
-            store16(rebuilt + 16, decode16(c + 16, SPLAT(s), SPLAT(o)));
+            storev(rebuilt, decode16(c, SPLAT(s), SPLAT(o)));
+            storev(rebuilt + 16, decode16(c + 16, SPLAT(s), SPLAT(o)));
             found = in_range && memcmp(rebuilt, x, sizeof rebuilt) == 0;
             if (found) { scales[r] = s; offsets[r] = o; }
         }
@@ -374,3 +305,26 @@ int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
     }
     return failed;
 }
+
+#else
+
+int linear_coded_supported(void) { return 0; }
+
+void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void *codes,
+                      const void *params, int code_bits, int64_t n, int64_t k,
+                      const float *bias, float *out, int64_t out_stride, int num_threads)
+{
+    (void)x, (void)x_stride, (void)rows, (void)codes, (void)params, (void)code_bits, (void)n;
+    (void)k, (void)bias, (void)out, (void)out_stride, (void)num_threads;
+}
+
+int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
+                      const float *guess_offsets, int64_t num_guesses, int8_t *codes,
+                      float *scales, float *offsets, int num_threads)
+{
+    (void)v, (void)guess_scales, (void)guess_offsets, (void)num_guesses, (void)codes;
+    (void)scales, (void)offsets, (void)num_threads;
+    return runs;  /* none found */
+}
+
+#endif

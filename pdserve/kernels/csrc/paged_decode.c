@@ -18,30 +18,30 @@
 #include <stdlib.h>
 
 #include "kernels.h"
-#include "vec16.h"
+#include "vec.h"
 
 /* Softmax of s[0..L) in place; returns 1 / (sum of exponentials). */
 static float softmax_row(float *s, int64_t L)
 {
     float m = s[0];
     int64_t t = 0;
-    if (L >= 16) {
-        v16 mv = load16(s);
-        for (t = 16; t + 16 <= L; t += 16) mv = vmax(load16(s + t), mv);
+    if (L >= VL) {
+        vf mv = loadv(s);
+        for (t = VL; t + VL <= L; t += VL) mv = vmax(loadv(s + t), mv);
         m = hmax(mv);
     }
     for (; t < L; t++) m = s[t] > m ? s[t] : m;
-    v16 sums = SPLAT(0.f);
-    for (t = 0; t + 16 <= L; t += 16) {
-        const v16 e = exp16_nonpos(load16(s + t) - SPLAT(m));
-        store16(s + t, e);
+    vf sums = SPLAT(0.f);
+    for (t = 0; t + VL <= L; t += VL) {
+        const vf e = expv_nonpos(loadv(s + t) - SPLAT(m));
+        storev(s + t, e);
         sums += e;
     }
     float sum = hsum(sums);
     if (t < L) {
-        v16 x = SPLAT(-87.0f);
+        vf x = SPLAT(-87.0f);
         for (int64_t i = t; i < L; i++) x[i - t] = s[i] - m;
-        const v16 e = exp16_nonpos(x);
+        const vf e = expv_nonpos(x);
         for (int64_t i = t; i < L; i++) { s[i] = e[i - t]; sum += e[i - t]; }
     }
     return 1.f / sum;
@@ -61,8 +61,8 @@ static inline const float *block_rows(const float *cache, const int64_t *table, 
  * Asking for the next block only, into L1, left the reads at half the memory's streaming rate
  * (benchmarks/results/decode_attention.md). */
 #define AHEAD_BLOCKS 3
-#define PREFETCH_ROW(ahead, o, row_stride, C)                                                \
-    for (int c = 0; c < (C); c++)                                                            \
+#define PREFETCH_ROW(ahead, o, row_stride, lines)  /* its 64-byte lines */                  \
+    for (int c = 0; c < (lines); c++)                                                        \
         __builtin_prefetch((ahead) + (o) * (row_stride) + 16 * c, 0, 2)
 
 /* The rows of the block AHEAD_BLOCKS after the one holding token t0, or NULL past the end. */
@@ -75,76 +75,76 @@ static inline const float *block_ahead(const float *cache, const int64_t *table,
 
 /* The first rows a walk reads after its first block: blocks 1 .. AHEAD_BLOCKS - 1. */
 static void prefetch_walk_start(const float *cache, const int64_t *table, int64_t L,
-                                int64_t bs, int64_t row_stride, int C)
+                                int64_t bs, int64_t row_stride, int lines)
 {
     for (int64_t t0 = bs; t0 < L && t0 < AHEAD_BLOCKS * bs; t0 += bs) {
         const float *rows = block_rows(cache, table, t0, bs, row_stride);
-        for (int64_t o = 0; o < bs && t0 + o < L; o++) PREFETCH_ROW(rows, o, row_stride, C);
+        for (int64_t o = 0; o < bs && t0 + o < L; o++) PREFETCH_ROW(rows, o, row_stride, lines);
     }
 }
 
 /* One (sequence, KV head): q (G, D) -> out (G, D); scores: G * L floats of scratch. The query
- * heads go in groups of S = 256 / D (4 heads of 64, 2 of 128: their queries, or their sums,
- * fill 16 registers), and each group walks the keys, then the values, once: a row read from
- * memory serves all the group's heads at once, where one head at a time put passes over
- * cached rows between the reads. Each head's sums still run over the keys in order: the
- * results are the same, bit for bit. */
+ * heads go in groups of S = 16 VL / D (4 heads of 64 or 2 of 128 with 16 lanes, half as many
+ * with AVX2's 8: their queries, or their sums, fill 16 registers), and each group walks the
+ * keys, then the values, once: a row read from memory serves all the group's heads at once,
+ * where one head at a time put passes over cached rows between the reads. Each head's sums
+ * still run over the keys in order: the results are the same, bit for bit. */
 #define DEFINE_ATTEND(D)                                                                    \
 static void attend_##D(const float *q, const float *kc, const float *vc,                     \
                        const int64_t *table, int64_t L, int64_t G, int64_t row_stride,       \
                        int64_t bs, float scale, float *scores, float *out)                   \
 {                                                                                            \
-    enum { C = D / 16, S = 256 / D };                                                        \
+    enum { C = D / VL, S = 16 * VL / D, LINES = D / 16 };                                    \
     for (int64_t j0 = 0; j0 < G; j0 += S) {                                                  \
         const int n_heads = G - j0 < S ? (int)(G - j0) : S;                                  \
-        v16 qj[S][C];                                                                        \
+        vf qj[S][C];                                                                        \
         for (int j = 0; j < S; j++)                                                          \
             for (int c = 0; c < C; c++)                                                      \
-                qj[j][c] = j < n_heads ? load16(q + (j0 + j) * D + 16 * c) * SPLAT(scale)   \
+                qj[j][c] = j < n_heads ? loadv(q + (j0 + j) * D + VL * c) * SPLAT(scale)   \
                                        : SPLAT(0.f);                                         \
         float *s = scores + j0 * L;                                                          \
-        prefetch_walk_start(kc, table, L, bs, row_stride, C);                                \
+        prefetch_walk_start(kc, table, L, bs, row_stride, LINES);                                \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
             const float *kb = block_rows(kc, table, t0, bs, row_stride);                     \
             const float *ka = block_ahead(kc, table, t0, L, bs, row_stride);                 \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
             for (int64_t o = 0; o < n; o++) {                                                \
-                if (ka) PREFETCH_ROW(ka, o, row_stride, C);                                  \
+                if (ka) PREFETCH_ROW(ka, o, row_stride, LINES);                                  \
                 const float *k = kb + o * row_stride;                                        \
-                v16 kr[C];                                                                   \
-                for (int c = 0; c < C; c++) kr[c] = load16(k + 16 * c);                      \
+                vf kr[C];                                                                   \
+                for (int c = 0; c < C; c++) kr[c] = loadv(k + VL * c);                      \
                 for (int j = 0; j < n_heads; j++) {                                          \
-                    v16 acc = qj[j][0] * kr[0];                                              \
+                    vf acc = qj[j][0] * kr[0];                                              \
                     for (int c = 1; c < C; c++) acc += qj[j][c] * kr[c];                     \
                     s[j * L + t0 + o] = hsum(acc);                                           \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
         float inv[S];                                                                        \
-        v16 acc[S][C];                                                                       \
+        vf acc[S][C];                                                                       \
         for (int j = 0; j < S; j++) {                                                        \
             inv[j] = j < n_heads ? softmax_row(s + j * L, L) : 0.f;                          \
             for (int c = 0; c < C; c++) acc[j][c] = SPLAT(0.f);                              \
         }                                                                                    \
-        prefetch_walk_start(vc, table, L, bs, row_stride, C);                                \
+        prefetch_walk_start(vc, table, L, bs, row_stride, LINES);                                \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
             const float *vb = block_rows(vc, table, t0, bs, row_stride);                     \
             const float *va = block_ahead(vc, table, t0, L, bs, row_stride);                 \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
             for (int64_t o = 0; o < n; o++) {                                                \
-                if (va) PREFETCH_ROW(va, o, row_stride, C);                                  \
+                if (va) PREFETCH_ROW(va, o, row_stride, LINES);                                  \
                 const float *v = vb + o * row_stride;                                        \
-                v16 vr[C];                                                                   \
-                for (int c = 0; c < C; c++) vr[c] = load16(v + 16 * c);                      \
+                vf vr[C];                                                                   \
+                for (int c = 0; c < C; c++) vr[c] = loadv(v + VL * c);                      \
                 for (int j = 0; j < n_heads; j++) {                                          \
-                    const v16 p = SPLAT(s[j * L + t0 + o]);                                  \
+                    const vf p = SPLAT(s[j * L + t0 + o]);                                  \
                     for (int c = 0; c < C; c++) acc[j][c] += p * vr[c];                      \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
         for (int j = 0; j < n_heads; j++)                                                    \
             for (int c = 0; c < C; c++)                                                      \
-                store16(out + (j0 + j) * D + 16 * c, acc[j][c] * SPLAT(inv[j]));            \
+                storev(out + (j0 + j) * D + VL * c, acc[j][c] * SPLAT(inv[j]));            \
     }                                                                                        \
 }
 

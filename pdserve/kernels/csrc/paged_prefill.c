@@ -23,14 +23,19 @@
 #include <stdlib.h>
 
 #include "kernels.h"
-#include "vec16.h"
+#include "vec.h"
 
 #define QUERY_TILE 64  /* query tokens per work item, at most */
 #define MIN_QUERY_TILE 8
-#define KEY_TILE 64    /* keys per tile: four vectors of scores per row */
-#define ROW_GROUP 6    /* rows whose scores (6 x 4 vectors) stay in registers together */
+#define KEY_TILE (4 * VL)     /* keys per tile: four vectors of scores per row */
+#define VALUE_SPAN (4 * VL)   /* output columns a row accumulates at a time: four vectors */
+#if VL == 16
+#define ROW_GROUP 6  /* rows whose scores (6 x 4 vectors) stay in registers together */
+#else
+#define ROW_GROUP 3  /* AVX2: 16 registers */
+#endif
 
-static const v16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const vf LANES = LANE_INDICES;
 
 /* One thread's scratch: rows = QUERY_TILE * G at most. */
 typedef struct {
@@ -64,15 +69,15 @@ row_group(const scratch *w, const float *kt_tile, const float *vc, const int64_t
     int64_t row[ROW_GROUP];  /* rows past the end repeat the last one and are not stored */
     for (int i = 0; i < ROW_GROUP; i++) row[i] = r0 + (i < nr ? i : nr - 1);
 
-    v16 s[ROW_GROUP][4];
+    vf s[ROW_GROUP][4];
     for (int i = 0; i < ROW_GROUP; i++)
         for (int c = 0; c < 4; c++) s[i][c] = SPLAT(0.f);
     for (int64_t e = 0; e < D; e++) {
         const float *kt = kt_tile + e * KEY_TILE;
-        const v16 k[4] = {load16(kt), load16(kt + 16), load16(kt + 32), load16(kt + 48)};
+        const vf k[4] = {loadv(kt), loadv(kt + VL), loadv(kt + 2 * VL), loadv(kt + 3 * VL)};
         #pragma GCC unroll 6
         for (int i = 0; i < ROW_GROUP; i++) {
-            const v16 qe = SPLAT(w->qs[row[i] * D + e]);
+            const vf qe = SPLAT(w->qs[row[i] * D + e]);
             #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) s[i][c] += qe * k[c];
         }
@@ -80,16 +85,16 @@ row_group(const scratch *w, const float *kt_tile, const float *vc, const int64_t
 
     /* Online softmax, each step for all the group's rows at once so that their dependency
      * chains (horizontal max, exponentials, horizontal sum) overlap. */
-    v16 m_new[ROW_GROUP], sum[ROW_GROUP];
+    vf m_new[ROW_GROUP], sum[ROW_GROUP];
     float alpha[ROW_GROUP];
     #pragma GCC unroll 6
     for (int i = 0; i < ROW_GROUP; i++) {
         const int64_t seen = pos0 + row[i] / G - k0 + 1;  /* keys of the tile this row sees */
         if (seen < KEY_TILE)
             for (int c = 0; c < 4; c++)
-                s[i][c] = vselect(LANES + SPLAT((float)(16 * c)) >= SPLAT((float)seen),
+                s[i][c] = vselect(LANES + SPLAT((float)(VL * c)) >= SPLAT((float)seen),
                                   SPLAT(-INFINITY), s[i][c]);
-        v16 top = vmax(vmax(s[i][0], s[i][1]), vmax(s[i][2], s[i][3]));
+        vf top = vmax(vmax(s[i][0], s[i][1]), vmax(s[i][2], s[i][3]));
         HALVE(top, vmax);  /* every lane: the row's maximum over the tile */
         m_new[i] = vmax(top, SPLAT(w->m[row[i]]));
     }
@@ -98,14 +103,14 @@ row_group(const scratch *w, const float *kt_tile, const float *vc, const int64_t
         sum[i] = SPLAT(0.f);
         #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            s[i][c] = exp16_nonpos(s[i][c] - m_new[i]);  /* masked keys: 0 */
+            s[i][c] = expv_nonpos(s[i][c] - m_new[i]);  /* masked keys: 0 */
             sum[i] += s[i][c];
         }
     }
     #pragma GCC unroll 6
     for (int i = 0; i < ROW_GROUP; i++) {
         #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) store16(w->p + i * KEY_TILE + 16 * c, s[i][c]);
+        for (int c = 0; c < 4; c++) storev(w->p + i * KEY_TILE + VL * c, s[i][c]);
         HALVE(sum[i], vadd);
     }
     for (int i = 0; i < ROW_GROUP; i++) {
@@ -121,24 +126,24 @@ row_group(const scratch *w, const float *kt_tile, const float *vc, const int64_t
     /* the group's last row sees the most keys */
     const int64_t seen_max = pos0 + row[ROW_GROUP - 1] / G - k0 + 1;
     const int64_t keys = seen_max < nk ? seen_max : nk;
-    for (int64_t c0 = 0; c0 < D; c0 += 64) {
-        v16 acc[ROW_GROUP][4];
+    for (int64_t c0 = 0; c0 < D; c0 += VALUE_SPAN) {
+        vf acc[ROW_GROUP][4];
         #pragma GCC unroll 6
         for (int i = 0; i < ROW_GROUP; i++)
             for (int c = 0; c < 4; c++)
-                acc[i][c] = load16(w->o + row[i] * D + c0 + 16 * c) * SPLAT(alpha[i]);
+                acc[i][c] = loadv(w->o + row[i] * D + c0 + VL * c) * SPLAT(alpha[i]);
         for (int64_t j = 0; j < keys; j++) {
             const float *vt = vc + at[j] + c0;
-            const v16 v[4] = {load16(vt), load16(vt + 16), load16(vt + 32), load16(vt + 48)};
+            const vf v[4] = {loadv(vt), loadv(vt + VL), loadv(vt + 2 * VL), loadv(vt + 3 * VL)};
             #pragma GCC unroll 6
             for (int i = 0; i < ROW_GROUP; i++) {
-                const v16 pj = SPLAT(w->p[i * KEY_TILE + j]);
+                const vf pj = SPLAT(w->p[i * KEY_TILE + j]);
                 #pragma GCC unroll 4
                 for (int c = 0; c < 4; c++) acc[i][c] += pj * v[c];
             }
         }
         for (int i = 0; i < nr; i++)
-            for (int c = 0; c < 4; c++) store16(w->o + row[i] * D + c0 + 16 * c, acc[i][c]);
+            for (int c = 0; c < 4; c++) storev(w->o + row[i] * D + c0 + VL * c, acc[i][c]);
     }
 }
 
@@ -152,9 +157,9 @@ prefill_item(const float *q, int64_t q_stride, const float *keys, const float *v
     const int64_t rows = (i1 - i0) * G;
     for (int64_t r = 0; r < rows; r++) {
         const float *src = q + (i0 + r / G) * q_stride + (r % G) * D;
-        for (int64_t e = 0; e < D; e += 16) {
-            store16(w->qs + r * D + e, load16(src + e) * SPLAT(scale));
-            store16(w->o + r * D + e, SPLAT(0.f));
+        for (int64_t e = 0; e < D; e += VL) {
+            storev(w->qs + r * D + e, loadv(src + e) * SPLAT(scale));
+            storev(w->o + r * D + e, SPLAT(0.f));
         }
         w->m[r] = -INFINITY;
         w->l[r] = 0.f;
@@ -168,8 +173,8 @@ prefill_item(const float *q, int64_t q_stride, const float *keys, const float *v
     }
     for (int64_t r = 0; r < rows; r++) {
         float *dst = out + (i0 + r / G) * out_stride + (r % G) * D;
-        const v16 inv = SPLAT(1.f / w->l[r]);
-        for (int64_t e = 0; e < D; e += 16) store16(dst + e, load16(w->o + r * D + e) * inv);
+        const vf inv = SPLAT(1.f / w->l[r]);
+        for (int64_t e = 0; e < D; e += VL) storev(dst + e, loadv(w->o + r * D + e) * inv);
     }
 }
 
