@@ -5,15 +5,15 @@ runs on (`-march=native`), into `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`
 that hashes the sources, the flags, the compiler and the CPU, so a shared home directory never
 hands one machine another's build. An engine loads it when its model is built (`load()`), so
 the first build (under a second) never lands on a request. Without a compiler, without
-AVX-512 or AVX2 with FMA (below), or with `PDSERVE_NATIVE_KERNELS=0`, `load()` returns None
+AVX-512 or AVX2 (below), or with `PDSERVE_NATIVE_KERNELS=0`, `load()` returns None
 and the torch kernels serve instead.
 
 The kernels are written on vectors of the target's register width (csrc/vec.h): 16 float32
-lanes for AVX-512, 8 for AVX2 (with FMA). A vector wider than the registers would be kept in
-memory (GCC 12 ran a 16-lane linear_f32 built for AVX2 at 3 GFLOP/s, where the 8-lane build
-runs near the AVX2 peak: benchmarks/results/linear_cpu.md, "AVX2 builds"), so the width is
-asked of the compiler first. Other targets (older x86, Arm) get the torch kernels; the
-4-bit/8-bit/bfloat16 coded weights are for AVX-512 only (`linear_coded_supported()`).
+lanes for AVX-512, 8 for AVX2 (with FMA and F16C, as every AVX2 CPU has). A vector wider
+than the registers would be kept in memory (GCC 12 ran a 16-lane linear_f32 built for AVX2
+at 3 GFLOP/s, where the 8-lane build runs near the AVX2 peak: benchmarks/results/
+linear_cpu.md, "AVX2 builds"), so the width is asked of the compiler first. Other targets
+(older x86, Arm) get the torch kernels.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _cpu_identity() -> str:
 
 def vector_lanes(cc: list[str]) -> int | None:
     """The float32 lanes of the vectors `cc -march=native` compiles for (its predefined macros
-    say): 16 for AVX-512, 8 for AVX2 with FMA, else None (also, with a warning, when the
+    say): 16 for AVX-512, 8 for AVX2 with FMA and F16C, else None (also, with a warning, when the
     compiler cannot be asked)."""
     try:
         done = subprocess.run([*cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
@@ -119,7 +119,7 @@ def vector_lanes(cc: list[str]) -> int | None:
     macros = set(done.stdout.splitlines())
     if "#define __AVX512F__ 1" in macros:
         return 16
-    if {"#define __AVX2__ 1", "#define __FMA__ 1"} <= macros:
+    if {"#define __AVX2__ 1", "#define __FMA__ 1", "#define __F16C__ 1"} <= macros:
         return 8
     return None
 
@@ -162,8 +162,8 @@ def load() -> ctypes.CDLL | None:
         return None
     lanes = vector_lanes(cc)
     if lanes is None:
-        log.info("%s -march=native targets neither AVX-512 nor AVX2 with FMA, which the native "
-                 "kernels' vectors need: the torch CPU kernels serve", shlex.join(cc))
+        log.info("%s -march=native targets neither AVX-512 nor AVX2, which the native kernels' "
+                 "vectors need: the torch CPU kernels serve", shlex.join(cc))
         return None
     importlib.import_module("torch")  # its libgomp first: the library then shares its threads
 

@@ -4,7 +4,6 @@ import pytest
 from hf_reference import hf_greedy
 
 from pdserve import SamplingParams, TokensPrompt
-from pdserve.kernels import native
 
 PROMPTS = [
     "Hello, my name is",
@@ -67,18 +66,15 @@ def test_smollm2_matches_hf(smollm2_llm, hf_smollm2, prompt):
     assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, tok.encode(prompt), 24)
 
 
-@pytest.mark.skipif(native.load() is None, reason="native kernels not built")
 def test_smollm2_batch_on_coded_weights_matches_hf(smollm2_llm, hf_smollm2):
     """The bundled GGUF is Q4_1 with a Q8_0 embedding: every projection and the tied LM head
-    hold coded weights (kernels/coded_weights.py), which serve steps of a few rows, where the
-    native kernels have them (their AVX-512 build; the AVX2 one serves the float32 panels)."""
+    hold coded weights (kernels/coded_weights.py), which serve steps of a few rows."""
     model = smollm2_llm.llm_engine.runner.model
     layers = model.native_layers
-    coded = bool(native.load().linear_coded_supported())
-    assert layers is not None and (layers.shape.coded_max_rows > 0 or not coded)
-    assert all(bool(getattr(w, f"{p}_codes")) == coded for w in layers.weights
+    assert layers is not None and layers.shape.coded_max_rows > 0
+    assert all(getattr(w, f"{p}_codes") for w in layers.weights
                for p in ("qkv", "o", "gate_up", "down"))
-    assert (model.lm_head.codes is not None) == coded
+    assert model.lm_head.codes is not None
     tok = smollm2_llm.get_tokenizer()
     outs = smollm2_llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=16,
                                                             ignore_eos=True), use_tqdm=False)

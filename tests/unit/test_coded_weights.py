@@ -16,8 +16,7 @@ from pdserve.kernels.coded_weights import DISABLE_ENV, encode, rebuild
 from pdserve.kernels.cpu_linear import CODED_MAX_ROWS, PackedLinear
 from pdserve.models.loader import _dequantize
 
-pytestmark = pytest.mark.skipif(native.load() is None or not native.load().linear_coded_supported(),
-                                reason="coded weights need the native kernels' AVX-512 build")
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels not built")
 
 
 def gguf_weight(shape, qtype, seed=0) -> torch.Tensor:

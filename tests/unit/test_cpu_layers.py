@@ -122,8 +122,6 @@ def test_bad_output_rows_are_refused(rows, path):
         model(ids, positions, cache, meta, torch.tensor(rows, dtype=torch.long))
 
 
-@pytest.mark.skipif(native.load() is None or not native.load().linear_coded_supported(),
-                    reason="coded weights need the native kernels' AVX-512 build")
 def test_coded_weights_give_the_float32_panels_results_bit_for_bit():
     """Projections dequantized from GGUF Q4_1 blocks are coded (kernels/coded_weights.py):
     the mixed step's 15 rows then take linear_coded.c, with the same hidden states and cache

@@ -1,5 +1,5 @@
 """The native kernels' two builds (csrc/vec.h): 16 float32 lanes for an AVX-512 target, 8 for
-an AVX2 one with FMA, and none for other targets, where the torch kernels serve.
+an AVX2 one (with FMA and F16C), and none for other targets, where the torch kernels serve.
 
 The library is compiled with -march=native, so the rest of the suite exercises only this
 machine's build. Here a compiler wrapper (benchmarks/avx2_only/cc) turns -march=native into
@@ -21,9 +21,10 @@ from pdserve.kernels import native
 
 ROOT = Path(__file__).parents[2]
 HASWELL = str(ROOT / "benchmarks" / "avx2_only" / "cc")
-# the kernel tests run again on the AVX2 build, and the engine's greedy checks through the
-# native layer loop (about 30 s in all here)
-AVX2_SUITE = ["tests/unit/test_cpu_linear.py", "tests/unit/test_cpu_decode.py",
+# the kernel tests (coded weights included) run again on the AVX2 build, and the engine's
+# greedy checks through the native layer loop (about 40 s in all here)
+AVX2_SUITE = ["tests/unit/test_cpu_linear.py", "tests/unit/test_coded_weights.py",
+              "tests/unit/test_cpu_decode.py",
               "tests/unit/test_cpu_prefill.py", "tests/unit/test_cpu_argmax.py",
               "tests/unit/test_cpu_fused.py", "tests/unit/test_cpu_layers.py",
               "tests/engine/test_native_layers_hf.py::"
@@ -41,6 +42,7 @@ def cpu_flags() -> set[str]:
 
 
 CPU_FLAGS = cpu_flags()
+AVX2 = {"avx2", "fma", "f16c"}  # what the 8-lane build needs
 
 pytestmark = pytest.mark.skipif(native._compiler() is None or not CPU_FLAGS,
                                 reason="no C compiler, or not an x86 Linux CPU")
@@ -57,7 +59,7 @@ def wrapper_for(target: str, tmp_path: Path) -> str:
 def test_the_compilers_target_decides_the_lanes(tmp_path, monkeypatch):
     real = native._compiler()
     monkeypatch.setenv("REAL_CC", shlex.join(real))
-    expected = (16 if "avx512f" in CPU_FLAGS else 8 if {"avx2", "fma"} <= CPU_FLAGS else None)
+    expected = (16 if "avx512f" in CPU_FLAGS else 8 if AVX2 <= CPU_FLAGS else None)
     assert native.vector_lanes(real) == expected
     assert native.vector_lanes([HASWELL]) == 8
     assert native.vector_lanes([wrapper_for("x86-64", tmp_path)]) is None
@@ -74,7 +76,7 @@ def test_a_target_without_avx2_leaves_the_torch_kernels(tmp_path, monkeypatch):
     assert not cache.exists() or not any(cache.iterdir())
 
 
-@pytest.mark.skipif(not {"avx2", "fma"} <= CPU_FLAGS, reason="this CPU cannot run AVX2 code")
+@pytest.mark.skipif(not AVX2 <= CPU_FLAGS, reason="this CPU cannot run AVX2 code")
 def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
     env = {**os.environ, "CC": HASWELL, "REAL_CC": shlex.join(native._compiler()),
            native.CACHE_ENV: str(tmp_path / "cache")}
@@ -83,7 +85,7 @@ def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
         [sys.executable, "-c", "from pdserve.kernels import native; lib = native.load(); "
          "print(lib.vector_lanes(), lib.linear_coded_supported())"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert probe.stdout.split() == ["8", "0"], probe.stderr[-2000:]
+    assert probe.stdout.split() == ["8", "3"], probe.stderr[-2000:]  # every coded form too
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                            *AVX2_SUITE], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=900)

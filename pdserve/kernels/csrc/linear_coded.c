@@ -21,14 +21,16 @@
  * float32) and enters the same fused multiply-add chain over k as in linear.c (panel.h):
  * the results are linear_f32's on the float32 weight, bit for bit, while fewer bytes stream
  * from memory: about 1.25 a weight with 8-bit codes, 0.63 with 4-bit ones, 2 with bfloat16,
- * against 4. Rebuilding costs two to four vector operations per 16 weights, so this pays for
- * the few rows of a decode step (the caller picks). Up to GROUP rows rebuild in registers as
- * they go. With more rows than that, codes take each chunk of 128 inputs rebuilt once into L1
- * and shared, groups of up to 14 rows reading it in turn (their sums wait in memory between
- * chunks, which changes no result). From 11 to 32 rows, rebuilding for every group of 10 took
- * 2-21% longer with 4-bit codes, and with 8-bit ones 4-11% longer at 11, 24 and 32 rows, level
- * at 20 and 6% less at 16 (benchmarks/results/linear_cpu.md). bfloat16 values, two operations
- * to rebuild, are widened again by each group: storing and rereading them cost more.
+ * against 4. Rebuilding costs two to four vector operations per vector of weights, so this
+ * pays for the few rows of a decode step (the caller picks). Up to GROUP rows rebuild in
+ * registers as they go (with AVX2's 8 lanes, a panel's 32 outputs in two passes of 16, as
+ * linear.c does). With more rows than that, codes take each chunk of 128 inputs rebuilt once
+ * into L1 and shared, groups of up to SHARED_GROUP rows reading it in turn (their sums wait in
+ * memory between chunks, which changes no result). From 11 to 32 rows (AVX-512), rebuilding
+ * for every group of 10 took 2-21% longer with 4-bit codes, and with 8-bit ones 4-11% longer
+ * at 11, 24 and 32 rows, level at 20 and 6% less at 16 (benchmarks/results/linear_cpu.md).
+ * bfloat16 values, two operations to rebuild, are widened again by each group: storing and
+ * rereading them cost more.
  */
 #include <stddef.h>
 #include <stdlib.h>
@@ -38,105 +40,140 @@
 #include "kernels.h"
 #include "panel.h"
 
-/* Written for AVX-512 (16 lanes, 32 registers); an AVX2 build offers none of it and the
- * panels of linear.c serve (linear_coded_supported() is 0). */
-#if VL == 16
 
 #define RUN 32    /* inputs per scale and offset */
-#define GROUP 10  /* 20 accumulators, 4 scale / offset vectors, 2 weights, 1 input */
-#define SHARED_GROUP 14  /* rows on rebuilt weights: 28 accumulators, 2 weights, 1 input */
 #define CHUNK 128  /* inputs rebuilt at a time: 16 KiB of float32, in L1; RUN divides it */
+/* GROUP: rows on weights rebuilt in registers (2 accumulators a row, 4 scale / offset
+ * vectors, 2 weights, 1 input); SHARED_GROUP: rows on a rebuilt chunk (2 accumulators a row,
+ * 2 weights, 1 input). AVX-512 has 32 vector registers, AVX2 16. */
+#if VL == 16
+#define GROUP 10
+#define SHARED_GROUP 14
+#define GROUP_CASES CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) \
+    CASE(10)
+#define SHARED_CASES GROUP_CASES CASE(11) CASE(12) CASE(13) CASE(14)
+#else
+#define GROUP 4
+#define SHARED_GROUP 6
+#define GROUP_CASES CASE(1) CASE(2) CASE(3) CASE(4)
+#define SHARED_CASES GROUP_CASES CASE(5) CASE(6)
+#endif
 
-/* Widen and convert 16 codes with the vector instructions (vpmovsxbd + vcvtdq2ps): GCC's
- * vector extensions would go through scalars. Elsewhere the kernel is not offered. */
-static inline vf decode16(const int8_t *codes, vf scale, vf offset)
+/* VL codes, bits `shift` .. `shift` + 3 of VL bytes (4-bit codes), VL float16 values and VL
+ * bfloat16 ones (their bit patterns) widened to float32 with the vector instructions (GCC's
+ * vector extensions would go through scalars): all exact. */
+#if VL == 16
+static inline vf widen_codes(const int8_t *c)
 {
-    vf c;
-    c = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
-    return scale * c + offset;
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
 
-/* 32 codes of 4 bits (16 bytes: low halves outputs 0-15, high halves 16-31), rebuilt as
- * decode16 rebuilds 8-bit ones: the same values from the same scales and offsets. */
-static inline void decode_nibbles(const uint8_t *codes, vf s0, vf o0, vf s1, vf o1,
-                                  vf *w0, vf *w1)
+static inline vf widen_nibbles(const uint8_t *b, int shift)
 {
-    vf lo, hi;
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    *w0 = s0 * lo + o0;
-    *w1 = s1 * hi + o1;
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    return (vf)_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, shift),
+                                                   _mm512_set1_epi32(15)));
 }
 
-/* 16 float16 values widened to float32 (exactly). */
 static inline vf widen_f16(const uint16_t *h)
 {
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
 
-/* 16 bfloat16 values (their bit patterns) widened to float32: zero-extend, shift left 16. */
 static inline vf widen_bf16(const uint16_t *h)
 {
     return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
 }
+#else
+static inline vf widen_codes(const int8_t *c)
+{
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+}
 
-/* Whether this build converts codes with vector instructions (else the panels serve): 1 for
- * the 8-bit and bfloat16 forms, 3 when the 4-bit one (float16 scales) too. */
+static inline vf widen_nibbles(const uint8_t *b, int shift)
+{
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    return (vf)_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift),
+                                                   _mm256_set1_epi32(15)));
+}
+
+static inline vf widen_f16(const uint16_t *h)
+{
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+static inline vf widen_bf16(const uint16_t *h)
+{
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+}
+#endif
+
+/* A weight from its code: scale * code is exact, adding the offset rounds once. */
+static inline vf decode(vf scale, vf code, vf offset) { return scale * code + offset; }
+
+/* Which forms this build takes (else the panels serve): 1 for the 8-bit and bfloat16 forms,
+ * 3 when the 4-bit one (float16 scales) too; every build takes all three. */
 int linear_coded_supported(void)
 {
     return 3;
 }
 
-/* Input i's 32 weights of a panel, rebuilt: (w0, w1) for outputs 0-15 and 16-31. `run`
- * holds the current run's scales and offsets (s0, s1, o0, o1), read afresh as each run of 32
- * inputs begins; the next codes are fetched on the way. */
+/* Input i's weights for the panel's outputs c .. c + SPAN, rebuilt: w0 for the first VL, w1
+ * for the next. `run` holds the current run's scales and offsets for those outputs (s0, s1,
+ * o0, o1), read afresh as each run of 32 inputs begins; the next codes are fetched on the
+ * way. Output o of a 4-bit row is byte o % 16's bits 4 (o / 16) .. 4 (o / 16) + 3. */
 static inline __attribute__((always_inline)) void
-rebuild_input(int bits, const void *codes, const void *params, int64_t i, vf run[4], vf *w0,
-              vf *w1)
+rebuild_input(int bits, const void *codes, const void *params, int64_t i, int c, vf run[4],
+              vf *w0, vf *w1)
 {
     if (bits == 16) {
-        const uint16_t *c = (const uint16_t *)codes + i * PANEL;
-        __builtin_prefetch(c + 16 * PANEL);
-        *w0 = widen_bf16(c);
-        *w1 = widen_bf16(c + 16);
+        const uint16_t *h = (const uint16_t *)codes + i * PANEL + c;
+        __builtin_prefetch(h + 16 * PANEL);
+        *w0 = widen_bf16(h);
+        *w1 = widen_bf16(h + VL);
     } else if (bits == 8) {
         if (i % RUN == 0) {
-            const float *p = (const float *)params + i / RUN * 2 * PANEL;
-            for (int j = 0; j < 4; j++) run[j] = loadv(p + 16 * j);
+            const float *p = (const float *)params + i / RUN * 2 * PANEL + c;
+            run[0] = loadv(p), run[1] = loadv(p + VL);
+            run[2] = loadv(p + PANEL), run[3] = loadv(p + PANEL + VL);
         }
-        const int8_t *c = (const int8_t *)codes + i * PANEL;
-        __builtin_prefetch(c + 32 * PANEL);
-        *w0 = decode16(c, run[0], run[2]);
-        *w1 = decode16(c + 16, run[1], run[3]);
+        const int8_t *q = (const int8_t *)codes + i * PANEL + c;
+        __builtin_prefetch(q + 32 * PANEL);
+        *w0 = decode(run[0], widen_codes(q), run[2]);
+        *w1 = decode(run[1], widen_codes(q + VL), run[3]);
     } else {
         if (i % RUN == 0) {
-            const uint16_t *p = (const uint16_t *)params + i / RUN * 2 * PANEL;
-            for (int j = 0; j < 4; j++) run[j] = widen_f16(p + 16 * j);
+            const uint16_t *p = (const uint16_t *)params + i / RUN * 2 * PANEL + c;
+            run[0] = widen_f16(p), run[1] = widen_f16(p + VL);
+            run[2] = widen_f16(p + PANEL), run[3] = widen_f16(p + PANEL + VL);
         }
-        const uint8_t *c = (const uint8_t *)codes + i * PANEL / 2;
-        __builtin_prefetch(c + 64 * PANEL / 2);
-        decode_nibbles(c, run[0], run[2], run[1], run[3], w0, w1);
+        const uint8_t *b = (const uint8_t *)codes + i * PANEL / 2;
+        __builtin_prefetch(b + 64 * PANEL / 2);
+        *w0 = decode(run[0], widen_nibbles(b + c % 16, 4 * (c / 16)), run[2]);
+        *w1 = decode(run[1], widen_nibbles(b + (c + VL) % 16, 4 * ((c + VL) / 16)), run[3]);
     }
 }
 
-/* rows x 32 outputs of one panel: `mr` and `bits` are constants in every call, so the loops
- * unroll and the weights' form is fixed. */
+/* rows x 32 outputs of one panel (the first `cols` stored), SPAN at a time: `mr` and `bits`
+ * are constants in every call, so the loops unroll and the weights' form is fixed. */
 static inline __attribute__((always_inline)) void
 coded_rows(int mr, int bits, const float *x, int64_t x_stride, const void *codes,
            const void *params, int64_t k, const float *bias, float *out, int64_t out_stride,
            int64_t cols)
 {
     vf acc[GROUP][2];
-    panel_start(mr, acc, bias);
-    vf run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
-    for (int64_t i = 0; i < k; i++) {
-        vf w0, w1;
-        rebuild_input(bits, codes, params, i, run, &w0, &w1);
-        panel_step(mr, acc, x, x_stride, i, w0, w1);
+    for (int c = 0; c < cols; c += SPAN) {
+        panel_start(mr, acc, bias ? bias + c : NULL);
+        vf run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
+        for (int64_t i = 0; i < k; i++) {
+            vf w0, w1;
+            rebuild_input(bits, codes, params, i, c, run, &w0, &w1);
+            panel_step(mr, acc, x, x_stride, i, w0, w1);
+        }
+        panel_store(mr, acc, out + c, out_stride, cols - c < SPAN ? cols - c : SPAN);
     }
-    panel_store(mr, acc, out, out_stride, cols);
 }
 
 /* Inputs i0 .. i0 + n of a panel (i0 a multiple of RUN) rebuilt into `chunk` (n x 32). */
@@ -144,12 +181,14 @@ static inline __attribute__((always_inline)) void
 rebuild_chunk(int bits, const void *codes, const void *params, int64_t i0, int64_t n,
               float *chunk)
 {
-    vf run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
-    for (int64_t i = i0; i < i0 + n; i++) {
-        vf w0, w1;
-        rebuild_input(bits, codes, params, i, run, &w0, &w1);
-        storev(chunk + (i - i0) * PANEL, w0);
-        storev(chunk + (i - i0) * PANEL + 16, w1);
+    for (int c = 0; c < PANEL; c += SPAN) {
+        vf run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
+        for (int64_t i = i0; i < i0 + n; i++) {
+            vf w0, w1;
+            rebuild_input(bits, codes, params, i, c, run, &w0, &w1);
+            storev(chunk + (i - i0) * PANEL + c, w0);
+            storev(chunk + (i - i0) * PANEL + c + VL, w1);
+        }
     }
 }
 
@@ -160,16 +199,18 @@ chunk_rows(int mr, const float *x, int64_t x_stride, int64_t i0, int64_t n, cons
            float *acc_rows)
 {
     vf acc[SHARED_GROUP][2];
-    for (int m = 0; m < mr; m++) {
-        acc[m][0] = loadv(acc_rows + m * PANEL);
-        acc[m][1] = loadv(acc_rows + m * PANEL + 16);
-    }
-    for (int64_t i = 0; i < n; i++)
-        panel_step(mr, acc, x + i0, x_stride, i, loadv(chunk + i * PANEL),
-                   loadv(chunk + i * PANEL + 16));
-    for (int m = 0; m < mr; m++) {
-        storev(acc_rows + m * PANEL, acc[m][0]);
-        storev(acc_rows + m * PANEL + 16, acc[m][1]);
+    for (int c = 0; c < PANEL; c += SPAN) {
+        for (int m = 0; m < mr; m++) {
+            acc[m][0] = loadv(acc_rows + m * PANEL + c);
+            acc[m][1] = loadv(acc_rows + m * PANEL + c + VL);
+        }
+        for (int64_t i = 0; i < n; i++)
+            panel_step(mr, acc, x + i0, x_stride, i, loadv(chunk + i * PANEL + c),
+                       loadv(chunk + i * PANEL + c + VL));
+        for (int m = 0; m < mr; m++) {
+            storev(acc_rows + m * PANEL + c, acc[m][0]);
+            storev(acc_rows + m * PANEL + c + VL, acc[m][1]);
+        }
     }
 }
 
@@ -178,8 +219,7 @@ static void chunk_group(int64_t mr, const float *x, int64_t x_stride, int64_t i0
 {
     switch (mr) {
 #define CASE(m) case m: chunk_rows(m, x, x_stride, i0, n, chunk, acc_rows); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
-    CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
+    SHARED_CASES
 #undef CASE
     }
 }
@@ -234,8 +274,7 @@ static void coded_group(int64_t mr, int bits, const float *x, int64_t x_stride,
     case m + 100: coded_rows(m, 4, ARGS); break; \
     case m + 200: coded_rows(m, 8, ARGS); break; \
     case m + 400: coded_rows(m, 16, ARGS); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
-    CASE(7) CASE(8) CASE(9) CASE(10)
+    GROUP_CASES
 #undef CASE
 #undef ARGS
     }
@@ -270,7 +309,7 @@ void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void
 }
 
 /* The coded form of a float32 weight, found and proved: for each run of 32 values, the first
- * of `num_guesses` (scale, offset) guesses under which decode16, as the kernel runs it, gives
+ * of `num_guesses` (scale, offset) guesses under which decode, as the kernel runs it, gives
  * every value back bit for bit from codes in [-128, 127]. runs: how many runs of 32 at v;
  * guess_scales, guess_offsets: (num_guesses, runs); codes: (runs, 32); scales, offsets:
  * (runs,). Returns how many runs no guess rebuilds (their codes are left zero). */
@@ -293,8 +332,8 @@ int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
                 c[j] = in_range ? (int8_t)q : 0;
             }
             float rebuilt[RUN];
-            storev(rebuilt, decode16(c, SPLAT(s), SPLAT(o)));
-            storev(rebuilt + 16, decode16(c + 16, SPLAT(s), SPLAT(o)));
+            for (int j = 0; j < RUN; j += VL)
+                storev(rebuilt + j, decode(SPLAT(s), widen_codes(c + j), SPLAT(o)));
             found = in_range && memcmp(rebuilt, x, sizeof rebuilt) == 0;
             if (found) { scales[r] = s; offsets[r] = o; }
         }
@@ -306,25 +345,3 @@ int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
     return failed;
 }
 
-#else
-
-int linear_coded_supported(void) { return 0; }
-
-void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void *codes,
-                      const void *params, int code_bits, int64_t n, int64_t k,
-                      const float *bias, float *out, int64_t out_stride, int num_threads)
-{
-    (void)x, (void)x_stride, (void)rows, (void)codes, (void)params, (void)code_bits, (void)n;
-    (void)k, (void)bias, (void)out, (void)out_stride, (void)num_threads;
-}
-
-int64_t code_runs_f32(const float *v, int64_t runs, const float *guess_scales,
-                      const float *guess_offsets, int64_t num_guesses, int8_t *codes,
-                      float *scales, float *offsets, int num_threads)
-{
-    (void)v, (void)guess_scales, (void)guess_offsets, (void)num_guesses, (void)codes;
-    (void)scales, (void)offsets, (void)num_threads;
-    return runs;  /* none found */
-}
-
-#endif

@@ -10,10 +10,10 @@
 
 #if defined(__AVX512F__)
 #define VL 16
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VL 8
 #else
-#error "the native kernels need AVX-512, or AVX2 with FMA"
+#error "the native kernels need AVX-512, or AVX2 with FMA and F16C"
 #endif
 
 typedef float vf __attribute__((vector_size(4 * VL)));
