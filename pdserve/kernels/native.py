@@ -12,7 +12,8 @@ The kernels are written on vectors of the target's register width (csrc/vec.h): 
 lanes for AVX-512, 8 for AVX2 (with FMA and F16C, as every AVX2 CPU has). A vector wider
 than the registers would be kept in memory (GCC 12 ran a 16-lane linear_f32 built for AVX2
 at 3 GFLOP/s, where the 8-lane build runs near the AVX2 peak: benchmarks/results/
-linear_cpu.md, "AVX2 builds"), so the width is asked of the compiler first. Other targets
+linear_cpu.md, "AVX2 builds" and "Kernels on 8 lanes"), so the width is asked of the compiler
+first. Other targets
 (older x86, Arm) get the torch kernels.
 """
 
