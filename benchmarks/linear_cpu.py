@@ -6,7 +6,7 @@ default: 30 layers of qkv, o, gate_up and down, plus the tied LM head, quantized
 the head to Q8_0 and back to float32, as the bundled GGUF is) at several row counts,
 alternating the implementations, and prints JSON with milliseconds per pass and the ratios
 oneDNN / panels, F.linear / panels and panels / coded (above 1: the latter is faster).
-`coded` is PackedLinear as the engine runs it: coded weights up to CODED_MAX_ROWS rows (the
+`coded` is PackedLinear as the engine runs it: coded weights up to coded_max_rows() rows (the
 Q4_1 projections two codes a byte), the panels above; `coded8` the same with a byte per code
 and float32 scales and offsets (the form before the 4-bit one); `bf16` the same on those
 weights rounded to bfloat16 (as a bf16 checkpoint computed in float32 is held).

@@ -21,7 +21,7 @@ from torch import nn
 from pdserve.kernels import native
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.cpu_decode import HEAD_SIZES
-from pdserve.kernels.cpu_linear import CODED_MAX_ROWS, PackedLinear
+from pdserve.kernels.cpu_linear import PackedLinear, coded_max_rows
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -108,7 +108,7 @@ class NativeLayers:
                                                     first.head_dim)
         intermediate = layers[0].mlp.down_proj.in_features
         self.shape = _Shape(self.num_layers, self.hidden, self.heads, self.kv_heads,
-                            self.head_dim, intermediate, eps, first.scale, CODED_MAX_ROWS)
+                            self.head_dim, intermediate, eps, first.scale, coded_max_rows())
         self.weights = (_LayerWeights * self.num_layers)()
         self._keep = []  # the tensors the table points into
         for w, layer in zip(self.weights, layers):

@@ -10,7 +10,7 @@ layouts serve instead (benchmarks/linear_cpu.py has the numbers):
   oneDNN, and a row's result does not depend on the other rows of the batch. Where the weight
   is exactly 8-bit (or 4-bit) codes times a scale plus an offset per 32 inputs (a GGUF Q4/Q8
   checkpoint) or bfloat16 values (a bf16 checkpoint), `coded_weights.py` keeps that form too,
-  and steps of up to CODED_MAX_ROWS rows stream it instead (`csrc/linear_coded.c`: the same
+  and steps of up to coded_max_rows() rows stream it instead (`csrc/linear_coded.c`: the same
   results bit for bit in a third, a sixth or half the bytes).
 - **onednn**: oneDNN's blocked layout, 20-35% faster than F.linear from 4 to a few dozen rows,
   with MKL's matrix-vector path on the plain weight below 4 rows.
@@ -21,6 +21,8 @@ so its weights take twice their memory (and 0.63 to 2 bytes per weight more wher
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,8 +31,20 @@ from pdserve.kernels import native
 
 PANEL = 32  # outputs per panel of csrc/linear.c's layout
 ONEDNN_MIN_ROWS = 4  # below this, MKL on the plain weight beats oneDNN's layout
-CODED_MAX_ROWS = 32  # up to this many rows, coded weights (linear_coded.c) beat the panels
-# (4-bit codes by 1.14x at 32 rows, 8-bit by 1.07x; level from 48: results/linear_cpu.md)
+# Up to this many rows, coded weights (linear_coded.c) beat the panels. With 16 lanes
+# (AVX-512): 4-bit codes by 1.14x at 32 rows, 8-bit by 1.07x, level from 48. With 8 (AVX2):
+# 4-bit by 1.14x at 16 rows but 0.96x at 32, bfloat16 level at 16 and 0.82x at 32
+# (results/linear_cpu.md, "Kernels on 8 lanes").
+CODED_MAX_ROWS = 32
+CODED_MAX_ROWS_8_LANES = 16
+
+
+@functools.cache
+def coded_max_rows() -> int:
+    """The most rows a step runs on coded weights, for the native build's vector width."""
+    lib = native.load()
+    return CODED_MAX_ROWS_8_LANES if lib is not None and lib.vector_lanes() == 8 \
+        else CODED_MAX_ROWS
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -95,7 +109,7 @@ class PackedLinear(nn.Module):
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         bias = None if self.bias is None else self.bias.data_ptr()
-        if self.codes is not None and x.shape[0] <= CODED_MAX_ROWS:
+        if self.codes is not None and x.shape[0] <= coded_max_rows():
             native.load().linear_coded_f32(
                 x.data_ptr(), x.stride(0), x.shape[0], self.codes.data_ptr(),
                 None if self.code_params is None else self.code_params.data_ptr(),

@@ -13,8 +13,7 @@ lanes for AVX-512, 8 for AVX2 (with FMA and F16C, as every AVX2 CPU has). A vect
 than the registers would be kept in memory (GCC 12 ran a 16-lane linear_f32 built for AVX2
 at 3 GFLOP/s, where the 8-lane build runs near the AVX2 peak: benchmarks/results/
 linear_cpu.md, "AVX2 builds" and "Kernels on 8 lanes"), so the width is asked of the compiler
-first. Other targets
-(older x86, Arm) get the torch kernels.
+first. Other targets (older x86, Arm) get the torch kernels.
 """
 
 from __future__ import annotations
@@ -125,12 +124,12 @@ def vector_lanes(cc: list[str]) -> int | None:
     return None
 
 
-def _build_key(cc: list[str]) -> str:
+def _build_key(cc: list[str], lanes: int) -> str:
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True,
                              errors="replace", timeout=30).stdout
     parts = [(_CSRC / s).read_bytes() for s in SOURCES + HEADERS]
     parts += [" ".join(FLAGS).encode(), shlex.join(cc).encode(), version.encode(),
-              platform.machine().encode(), _cpu_identity().encode()]
+              platform.machine().encode(), _cpu_identity().encode(), bytes([lanes])]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 
@@ -170,7 +169,7 @@ def load() -> ctypes.CDLL | None:
 
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve")
     try:
-        target = cache / f"native-{_build_key(cc)}.so"
+        target = cache / f"native-{_build_key(cc, lanes)}.so"
         if not target.exists():
             _build(cc, target)
         lib = ctypes.CDLL(str(target))
@@ -185,5 +184,5 @@ def load() -> ctypes.CDLL | None:
         log.warning("native CPU kernels built for %d lanes where %d were asked for: the torch "
                     "kernels serve", lib.vector_lanes(), lanes)
         return None
-    log.info("native CPU kernels on %d float32 lanes", lanes)
+    log.debug("native CPU kernels on %d float32 lanes", lanes)
     return lib

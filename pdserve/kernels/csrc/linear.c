@@ -70,7 +70,8 @@ panel_rows(int mr, const float *x, int64_t x_stride, const float *panel, int64_t
            int64_t share, int64_t part)
 {
     vf acc[GROUP][2];  /* 28 of the 32 vector registers (AVX-512), 12 of 16 (AVX2) */
-    for (int c = 0; c < cols; c += SPAN) {
+    for (int c = 0; c < PANEL; c += SPAN) {  /* a constant count: c is known in each pass */
+        if (c >= cols) break;
         panel_start(mr, acc, bias ? bias + c : NULL);
         panel_loop(mr, acc, x, x_stride, panel, c, k, ahead, share, part);
         panel_store(mr, acc, out + c, out_stride, cols - c < SPAN ? cols - c : SPAN);
@@ -141,7 +142,7 @@ static void panels_for_rows(const float *x, int64_t x_stride, int64_t r0, int64_
         const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
         float padded_bias[PANEL];
         const float *b = panel_bias(bias, c0, cols, padded_bias);
-        /* groups of even size (32 rows: 11 + 11 + 10, not 14 + 14 + 4) */
+        /* groups of even size (32 rows in groups of 14: 11 + 11 + 10, not 14 + 14 + 4) */
         const int64_t groups = (r1 - r0 + GROUP - 1) / GROUP;
         /* the panel after this one, most often this thread's next */
         const int64_t next = p + 1 < num_panels ? p + 1 : p;

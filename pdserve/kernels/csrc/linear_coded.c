@@ -164,7 +164,8 @@ coded_rows(int mr, int bits, const float *x, int64_t x_stride, const void *codes
            int64_t cols)
 {
     vf acc[GROUP][2];
-    for (int c = 0; c < cols; c += SPAN) {
+    for (int c = 0; c < PANEL; c += SPAN) {  /* a constant count: c is known in each pass */
+        if (c >= cols) break;
         panel_start(mr, acc, bias ? bias + c : NULL);
         vf run[4] = {SPLAT(0.f), SPLAT(0.f), SPLAT(0.f), SPLAT(0.f)};
         for (int64_t i = 0; i < k; i++) {

@@ -32,7 +32,7 @@
 #if VL == 16
 #define ROW_GROUP 6  /* rows whose scores (6 x 4 vectors) stay in registers together */
 #else
-#define ROW_GROUP 3  /* AVX2: 16 registers */
+#define ROW_GROUP 3  /* AVX2's 16 registers: 12 scores and 4 keys, the query from memory */
 #endif
 
 static const vf LANES = LANE_INDICES;
