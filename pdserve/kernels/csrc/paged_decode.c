@@ -61,7 +61,7 @@ static inline const float *block_rows(const float *cache, const int64_t *table, 
  * Asking for the next block only, into L1, left the reads at half the memory's streaming rate
  * (benchmarks/results/decode_attention.md). */
 #define AHEAD_BLOCKS 3
-#define PREFETCH_ROW(ahead, o, row_stride, lines)  /* its 64-byte lines */                  \
+#define PREFETCH_ROW(ahead, o, row_stride, lines)  /* its 64-byte lines */                   \
     for (int c = 0; c < (lines); c++)                                                        \
         __builtin_prefetch((ahead) + (o) * (row_stride) + 16 * c, 0, 2)
 
@@ -90,7 +90,7 @@ static void prefetch_walk_start(const float *cache, const int64_t *table, int64_
  * keys, then the values, once: a row read from memory serves all the group's heads at once,
  * where one head at a time put passes over cached rows between the reads. Each head's sums
  * still run over the keys in order: the results are the same, bit for bit. */
-#define DEFINE_ATTEND(D)                                                                    \
+#define DEFINE_ATTEND(D)                                                                     \
 static void attend_##D(const float *q, const float *kc, const float *vc,                     \
                        const int64_t *table, int64_t L, int64_t G, int64_t row_stride,       \
                        int64_t bs, float scale, float *scores, float *out)                   \
@@ -98,54 +98,54 @@ static void attend_##D(const float *q, const float *kc, const float *vc,        
     enum { C = D / VL, S = 16 * VL / D, LINES = D / 16 };                                    \
     for (int64_t j0 = 0; j0 < G; j0 += S) {                                                  \
         const int n_heads = G - j0 < S ? (int)(G - j0) : S;                                  \
-        vf qj[S][C];                                                                        \
+        vf qj[S][C];                                                                         \
         for (int j = 0; j < S; j++)                                                          \
             for (int c = 0; c < C; c++)                                                      \
-                qj[j][c] = j < n_heads ? loadv(q + (j0 + j) * D + VL * c) * SPLAT(scale)   \
+                qj[j][c] = j < n_heads ? loadv(q + (j0 + j) * D + VL * c) * SPLAT(scale)     \
                                        : SPLAT(0.f);                                         \
         float *s = scores + j0 * L;                                                          \
-        prefetch_walk_start(kc, table, L, bs, row_stride, LINES);                                \
+        prefetch_walk_start(kc, table, L, bs, row_stride, LINES);                            \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
             const float *kb = block_rows(kc, table, t0, bs, row_stride);                     \
             const float *ka = block_ahead(kc, table, t0, L, bs, row_stride);                 \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
             for (int64_t o = 0; o < n; o++) {                                                \
-                if (ka) PREFETCH_ROW(ka, o, row_stride, LINES);                                  \
+                if (ka) PREFETCH_ROW(ka, o, row_stride, LINES);                              \
                 const float *k = kb + o * row_stride;                                        \
-                vf kr[C];                                                                   \
-                for (int c = 0; c < C; c++) kr[c] = loadv(k + VL * c);                      \
+                vf kr[C];                                                                    \
+                for (int c = 0; c < C; c++) kr[c] = loadv(k + VL * c);                       \
                 for (int j = 0; j < n_heads; j++) {                                          \
-                    vf acc = qj[j][0] * kr[0];                                              \
+                    vf acc = qj[j][0] * kr[0];                                               \
                     for (int c = 1; c < C; c++) acc += qj[j][c] * kr[c];                     \
                     s[j * L + t0 + o] = hsum(acc);                                           \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
         float inv[S];                                                                        \
-        vf acc[S][C];                                                                       \
+        vf acc[S][C];                                                                        \
         for (int j = 0; j < S; j++) {                                                        \
             inv[j] = j < n_heads ? softmax_row(s + j * L, L) : 0.f;                          \
             for (int c = 0; c < C; c++) acc[j][c] = SPLAT(0.f);                              \
         }                                                                                    \
-        prefetch_walk_start(vc, table, L, bs, row_stride, LINES);                                \
+        prefetch_walk_start(vc, table, L, bs, row_stride, LINES);                            \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                             \
             const float *vb = block_rows(vc, table, t0, bs, row_stride);                     \
             const float *va = block_ahead(vc, table, t0, L, bs, row_stride);                 \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                     \
             for (int64_t o = 0; o < n; o++) {                                                \
-                if (va) PREFETCH_ROW(va, o, row_stride, LINES);                                  \
+                if (va) PREFETCH_ROW(va, o, row_stride, LINES);                              \
                 const float *v = vb + o * row_stride;                                        \
-                vf vr[C];                                                                   \
-                for (int c = 0; c < C; c++) vr[c] = loadv(v + VL * c);                      \
+                vf vr[C];                                                                    \
+                for (int c = 0; c < C; c++) vr[c] = loadv(v + VL * c);                       \
                 for (int j = 0; j < n_heads; j++) {                                          \
-                    const vf p = SPLAT(s[j * L + t0 + o]);                                  \
+                    const vf p = SPLAT(s[j * L + t0 + o]);                                   \
                     for (int c = 0; c < C; c++) acc[j][c] += p * vr[c];                      \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
         for (int j = 0; j < n_heads; j++)                                                    \
             for (int c = 0; c < C; c++)                                                      \
-                storev(out + (j0 + j) * D + VL * c, acc[j][c] * SPLAT(inv[j]));            \
+                storev(out + (j0 + j) * D + VL * c, acc[j][c] * SPLAT(inv[j]));              \
     }                                                                                        \
 }
 

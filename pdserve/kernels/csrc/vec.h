@@ -42,19 +42,19 @@ static inline vf vmin(vf a, vf b) { return vselect(a < b, a, b); }
 /* Horizontal sum and maximum: halve the vector log2(VL) times (shuffles, not VL scalar
  * steps); every lane ends with the result. */
 #if VL == 16
-#define HALVE(x, op)                                                                        \
+#define HALVE(x, op)                                                                           \
     x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5,    \
-                                      6, 7));                                                \
+                                      6, 7));                                                  \
     x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10,  \
-                                      11));                                                  \
+                                      11));                                                    \
     x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12,  \
-                                      13));                                                  \
+                                      13));                                                    \
     x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,  \
                                       14))
 #else
-#define HALVE(x, op)                                                                        \
-    x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3));                         \
-    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5));                         \
+#define HALVE(x, op)                                                                           \
+    x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3));                          \
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5));                          \
     x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6))
 #endif
 
