@@ -18,7 +18,7 @@ static int64_t first_nan(const float *x, int64_t n)
 static int64_t argmax_row(const float *x, int64_t n)
 {
     vf best = SPLAT(-__builtin_inff());  /* each lane's maximum so far ... */
-    vi at = (vi)SPLAT(0.f);             /* ... the first block that held it ... */
+    vi at = (vi)SPLAT(0.f);              /* ... the first block that held it ... */
     vi nan = at;                         /* ... and whether the lane met a NaN */
     int64_t i = 0;
     for (int32_t block = 0; i + VL <= n; i += VL, block++) {
