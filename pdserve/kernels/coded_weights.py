@@ -81,7 +81,7 @@ def encode(weight: torch.Tensor) -> CodedWeight | None:
             or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0):
         return None
     lib = native.load()
-    if lib is None or not lib.linear_coded_supported():
+    if lib is None:
         return None
     return _codes(weight, lib) or _bfloat16(weight)
 
@@ -109,16 +109,15 @@ def _codes(weight: torch.Tensor, lib) -> CodedWeight | None:
         return None
     coded = CodedWeight(codes=pack_panels(codes.view(out_features, in_features)),
                         params=_run_params(scales, offsets, out_features, in_features))
-    return _nibbles(coded, lib) or coded
+    return _nibbles(coded) or coded
 
 
-def _nibbles(coded: CodedWeight, lib) -> CodedWeight | None:
-    """The 4-bit form of 8-bit codes, where every code is in 0 .. 15, every param a float16
-    value (bit for bit, the sign of a zero too) and the kernel takes it."""
+def _nibbles(coded: CodedWeight) -> CodedWeight | None:
+    """The 4-bit form of 8-bit codes, where every code is in 0 .. 15 and every param a float16
+    value (bit for bit, the sign of a zero too)."""
     params16 = coded.params.half()
     exact = torch.equal(params16.float().view(torch.int32), coded.params.view(torch.int32))
-    if (not (lib.linear_coded_supported() & 2) or not exact or coded.codes.min() < 0
-            or coded.codes.max() > 15):
+    if not exact or coded.codes.min() < 0 or coded.codes.max() > 15:
         return None
     codes = coded.codes.view(torch.uint8)  # (P, in, 32)
     return CodedWeight(codes=(codes[..., :16] | (codes[..., 16:] << 4)).contiguous(),

@@ -69,7 +69,6 @@ _SIGNATURES = {
     # num_threads
     "linear_coded_f32": [_ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr,
                          _i64, ctypes.c_int],
-    "linear_coded_supported": [],
     "vector_lanes": [],
     # v, runs, guess_scales, guess_offsets, num_guesses, codes, scales, offsets, num_threads
     "code_runs_f32": [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int],

@@ -27,7 +27,6 @@ void linear_f32(const float *x, int64_t x_stride, int64_t rows, const float *pan
  * multiple of 32. */
 int linear_silu_mul_f32(const float *x, int64_t x_stride, int64_t rows, const float *panels,
                         int64_t n, int64_t k, float *out, int64_t out_stride, int num_threads);
-int linear_coded_supported(void);
 void linear_coded_f32(const float *x, int64_t x_stride, int64_t rows, const void *codes,
                       const void *params, int code_bits, int64_t n, int64_t k,
                       const float *bias, float *out, int64_t out_stride, int num_threads);

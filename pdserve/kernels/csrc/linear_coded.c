@@ -113,13 +113,6 @@ static inline vf widen_bf16(const uint16_t *h)
 /* A weight from its code: scale * code is exact, adding the offset rounds once. */
 static inline vf decode(vf scale, vf code, vf offset) { return scale * code + offset; }
 
-/* Which forms this build takes (else the panels serve): 1 for the 8-bit and bfloat16 forms,
- * 3 when the 4-bit one (float16 scales) too; every build takes all three. */
-int linear_coded_supported(void)
-{
-    return 3;
-}
-
 /* Input i's weights for the panel's outputs c .. c + SPAN, rebuilt: w0 for the first VL, w1
  * for the next. `run` holds the current run's scales and offsets for those outputs (s0, s1,
  * o0, o1), read afresh as each run of 32 inputs begins; the next codes are fetched on the
