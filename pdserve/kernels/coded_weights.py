@@ -75,8 +75,7 @@ def _guesses(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def encode(weight: torch.Tensor) -> CodedWeight | None:
     """A float32 CPU weight (out, in) as 4-bit codes, else 8-bit codes, else bfloat16, else
-    None (also when disabled, or the native kernels are not built: AVX-512 or AVX2 CPUs
-    only)."""
+    None (also when disabled, or where the native kernels are not built)."""
     if (os.environ.get(DISABLE_ENV, "1") == "0" or weight.dtype != torch.float32
             or weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0):
         return None

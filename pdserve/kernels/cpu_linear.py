@@ -34,17 +34,19 @@ ONEDNN_MIN_ROWS = 4  # below this, MKL on the plain weight beats oneDNN's layout
 # Up to this many rows, coded weights (linear_coded.c) beat the panels. With 16 lanes
 # (AVX-512): 4-bit codes by 1.14x at 32 rows, 8-bit by 1.07x, level from 48. With 8 (AVX2):
 # 4-bit by 1.14x at 16 rows but 0.96x at 32, bfloat16 level at 16 and 0.82x at 32
-# (results/linear_cpu.md, "Kernels on 8 lanes").
+# (results/linear_cpu.md, "Kernels on 8 lanes"). With 4 (SSE on x86) they took longer than
+# the panels at every row count up to 32, so 4-lane builds keep to the panels ("Kernels on 4
+# lanes").
 CODED_MAX_ROWS = 32
-CODED_MAX_ROWS_8_LANES = 16
+CODED_MAX_ROWS_BY_LANES = {16: CODED_MAX_ROWS, 8: 16, 4: 0}
 
 
 @functools.cache
 def coded_max_rows() -> int:
-    """The most rows a step runs on coded weights, for the native build's vector width."""
+    """The most rows a step runs on coded weights, for the native build's vector width (0:
+    none, and layers keep no coded form)."""
     lib = native.load()
-    return CODED_MAX_ROWS_8_LANES if lib is not None and lib.vector_lanes() == 8 \
-        else CODED_MAX_ROWS
+    return 0 if lib is None else CODED_MAX_ROWS_BY_LANES[lib.vector_lanes()]
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -84,7 +86,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         from pdserve.kernels.coded_weights import encode  # it imports this module's layout
 
-        coded = encode(weight) if self.layout == "panels" else None
+        coded = encode(weight) if self.layout == "panels" and coded_max_rows() else None
         self.register_buffer("codes", None if coded is None else coded.codes,
                              persistent=False)
         self.register_buffer("code_params", None if coded is None else coded.params,

@@ -4,16 +4,16 @@ The library is built with the system's C compiler (`$CC`, else `cc` / `gcc`) for
 runs on (`-march=native`), into `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a name
 that hashes the sources, the flags, the compiler and the CPU, so a shared home directory never
 hands one machine another's build. An engine loads it when its model is built (`load()`), so
-the first build (under a second) never lands on a request. Without a compiler, without
-AVX-512 or AVX2 (below), or with `PDSERVE_NATIVE_KERNELS=0`, `load()` returns None
-and the torch kernels serve instead.
+the first build (under a second) never lands on a request. Without a compiler, on a target
+without the vectors below, or with `PDSERVE_NATIVE_KERNELS=0`, `load()` returns None and the
+torch kernels serve instead.
 
 The kernels are written on vectors of the target's register width (csrc/vec.h): 16 float32
-lanes for AVX-512, 8 for AVX2 (with FMA and F16C, as every AVX2 CPU has). A vector wider
-than the registers would be kept in memory (GCC 12 ran a 16-lane linear_f32 built for AVX2
-at 3 GFLOP/s, where the 8-lane build runs near the AVX2 peak: benchmarks/results/
-linear_cpu.md, "AVX2 builds" and "Kernels on 8 lanes"), so the width is asked of the compiler
-first. Other targets (older x86, Arm) get the torch kernels.
+lanes for AVX-512, 8 for AVX2 (with FMA and F16C, as every AVX2 CPU has), 4 for other x86-64
+CPUs (SSE2) and for Arm (NEON). A vector wider than the registers would be kept in memory
+(GCC 12 ran a 16-lane linear_f32 built for AVX2 at 3 GFLOP/s, where the 8-lane build runs
+near the AVX2 peak: benchmarks/results/linear_cpu.md, "AVX2 builds" and "Kernels on 8
+lanes"), so the width is asked of the compiler first.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def _cpu_identity() -> str:
 
 def vector_lanes(cc: list[str]) -> int | None:
     """The float32 lanes of the vectors `cc -march=native` compiles for (its predefined macros
-    say): 16 for AVX-512, 8 for AVX2 with FMA and F16C, else None (also, with a warning, when the
-    compiler cannot be asked)."""
+    say): 16 for AVX-512, 8 for AVX2 with FMA and F16C, 4 for other x86-64 targets (SSE2) and
+    Arm's NEON, else None (also, with a warning, when the compiler cannot be asked)."""
     try:
         done = subprocess.run([*cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
                               capture_output=True, text=True, errors="replace", timeout=60)
@@ -120,6 +120,8 @@ def vector_lanes(cc: list[str]) -> int | None:
         return 16
     if {"#define __AVX2__ 1", "#define __FMA__ 1", "#define __F16C__ 1"} <= macros:
         return 8
+    if macros & {"#define __SSE2__ 1", "#define __ARM_NEON 1"}:
+        return 4
     return None
 
 
@@ -161,8 +163,8 @@ def load() -> ctypes.CDLL | None:
         return None
     lanes = vector_lanes(cc)
     if lanes is None:
-        log.info("%s -march=native targets neither AVX-512 nor AVX2, which the native kernels' "
-                 "vectors need: the torch CPU kernels serve", shlex.join(cc))
+        log.info("%s -march=native targets none of the vectors the native kernels need "
+                 "(AVX-512, AVX2, SSE2, NEON): the torch CPU kernels serve", shlex.join(cc))
         return None
     importlib.import_module("torch")  # its libgomp first: the library then shares its threads
 

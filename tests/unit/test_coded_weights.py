@@ -2,7 +2,8 @@
 from GGUF's Q4_0, Q4_1 or Q8_0 blocks is proved to be 8-bit codes times a scale plus an offset
 (Q4_1's then held two codes a byte), one with bfloat16 values is held as bfloat16, all rebuilt
 bit for bit, and the coded kernel gives linear_f32's results bit for bit (and F.linear's within
-float32 rounding); any other weight keeps the float32 path."""
+float32 rounding); any other weight keeps the float32 path. Builds whose engine keeps to the
+panels (4 lanes: cpu_linear.coded_max_rows() is 0) still run the coded kernel here."""
 
 import numpy as np
 import pytest
@@ -11,12 +12,17 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from pdserve.kernels import native
+from pdserve.kernels import cpu_linear, native
 from pdserve.kernels.coded_weights import DISABLE_ENV, encode, rebuild
 from pdserve.kernels.cpu_linear import CODED_MAX_ROWS, PackedLinear
 from pdserve.models.loader import _dequantize
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels not built")
+
+
+@pytest.fixture(autouse=True)
+def coded_on_every_build(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "coded_max_rows", lambda: CODED_MAX_ROWS)
 
 
 def gguf_weight(shape, qtype, seed=0) -> torch.Tensor:

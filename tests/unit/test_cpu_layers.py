@@ -122,14 +122,18 @@ def test_bad_output_rows_are_refused(rows, path):
         model(ids, positions, cache, meta, torch.tensor(rows, dtype=torch.long))
 
 
-def test_coded_weights_give_the_float32_panels_results_bit_for_bit():
+def test_coded_weights_give_the_float32_panels_results_bit_for_bit(monkeypatch):
     """Projections dequantized from GGUF Q4_1 blocks are coded (kernels/coded_weights.py):
     the mixed step's 15 rows then take linear_coded.c, with the same hidden states and cache
-    as on the float32 panels."""
+    as on the float32 panels (on 4-lane builds too, whose engine keeps to the panels)."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
+    from pdserve.kernels import cpu_linear
     from pdserve.models.loader import _dequantize
+
+    for module in (cpu_linear, cpu_layers):
+        monkeypatch.setattr(module, "coded_max_rows", lambda: cpu_linear.CODED_MAX_ROWS)
 
     a = arch()
     torch.manual_seed(0)

@@ -6,14 +6,15 @@
  *
  * Each output is one fused multiply-add chain over k in order, starting from the bias: a row's
  * result does not depend on which other rows share the call. Up to GROUP rows share a panel's k
- * loop (14 rows and 28 accumulators with 16 lanes; 6 rows and 12 with AVX2's 8 lanes, in two
- * passes of 16 outputs; the weights loaded once for all of them); rows are taken in blocks
- * small enough for the cache, and a block's panels are split among OpenMP threads. A decode
- * step's few rows thus stream every weight once at memory speed, where general GEMMs spend
- * their time on packing and edge cases. While a panel's groups of rows run, each fetches its
- * share of the next panel into L2, so the next panel's first group does not wait on memory
- * (when the last group alone fetched it, a pass ran 11-19% slower at 33-64 rows and 3-4% at
- * 512 on a host of 12 GB/s a core: benchmarks/results/linear_cpu.md).
+ * loop (14 rows and 28 accumulators with 32 vector registers, 6 rows and 12 with AVX2's or
+ * SSE's 16; a pass covers 2 VL of the panel's 32 outputs; the weights loaded once for all of
+ * them); rows are taken in blocks small enough for the cache, and a block's panels are split
+ * among OpenMP threads. A decode step's few rows thus stream every weight once at memory
+ * speed, where general GEMMs spend their time on packing and edge cases. While a panel's
+ * groups of rows run, each fetches its share of the next panel into L2, so the next panel's
+ * first group does not wait on memory (when the last group alone fetched it, a pass ran
+ * 11-19% slower at 33-64 rows and 3-4% at 512 on a host of 12 GB/s a core:
+ * benchmarks/results/linear_cpu.md).
  *
  * linear_silu_mul_f32 takes an MLP's gate and up projections on one weight (gate outputs,
  * then up outputs) and pairs gate panel p with up panel p + n / 32: each row group's 32 gate
@@ -25,10 +26,10 @@
 #include "kernels.h"
 #include "panel.h"
 
-#if VL == 16
-#define GROUP 14
+#if VREGS == 32
+#define GROUP 14  /* 28 accumulators, 2 weights, 1 input */
 #else
-#define GROUP 6  /* 12 accumulators, 2 weights, 1 input: AVX2 has 16 registers */
+#define GROUP 6  /* 12 accumulators, 2 weights, 1 input: AVX2 and SSE have 16 registers */
 #endif
 #define BLOCK_BYTES (512 * 1024)  /* rows of x per block: about this much of them */
 
@@ -69,7 +70,7 @@ panel_rows(int mr, const float *x, int64_t x_stride, const float *panel, int64_t
            const float *bias, float *out, int64_t out_stride, int64_t cols, const float *ahead,
            int64_t share, int64_t part)
 {
-    vf acc[GROUP][2];  /* 28 of the 32 vector registers (AVX-512), 12 of 16 (AVX2) */
+    vf acc[GROUP][2];  /* 28 of 32 vector registers, or 12 of 16 */
     for (int c = 0; c < PANEL; c += SPAN) {  /* a constant count: c is known in each pass */
         if (c >= cols) break;
         panel_start(mr, acc, bias ? bias + c : NULL);

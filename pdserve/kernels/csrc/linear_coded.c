@@ -35,18 +35,20 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
 
 #include "kernels.h"
 #include "panel.h"
+#if VL > 4
+#include <immintrin.h>
+#endif
 
 
 #define RUN 32    /* inputs per scale and offset */
 #define CHUNK 128  /* inputs rebuilt at a time: 16 KiB of float32, in L1; RUN divides it */
 /* GROUP: rows on weights rebuilt in registers (2 accumulators a row, 4 scale / offset
  * vectors, 2 weights, 1 input); SHARED_GROUP: rows on a rebuilt chunk (2 accumulators a row,
- * 2 weights, 1 input). AVX-512 has 32 vector registers, AVX2 16. */
-#if VL == 16
+ * 2 weights, 1 input), by the target's vector registers (vec.h's VREGS). */
+#if VREGS == 32
 #define GROUP 10
 #define SHARED_GROUP 14
 #define GROUP_CASES CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) \
@@ -60,8 +62,9 @@
 #endif
 
 /* VL codes, bits `shift` .. `shift` + 3 of VL bytes (4-bit codes), VL float16 values and VL
- * bfloat16 ones (their bit patterns) widened to float32 with the vector instructions (GCC's
- * vector extensions would go through scalars): all exact. */
+ * bfloat16 ones (their bit patterns) widened to float32, all exact: with the vector
+ * instructions on 16 and 8 lanes (GCC's vector extensions went through scalars there), with
+ * the vector extensions on 4, so that the same source builds for SSE2 and NEON. */
 #if VL == 16
 static inline vf widen_codes(const int8_t *c)
 {
@@ -85,7 +88,7 @@ static inline vf widen_bf16(const uint16_t *h)
     return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
 }
-#else
+#elif VL == 8
 static inline vf widen_codes(const int8_t *c)
 {
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
@@ -107,6 +110,44 @@ static inline vf widen_bf16(const uint16_t *h)
 {
     return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+}
+#else
+typedef int8_t v4i8 __attribute__((vector_size(4)));
+typedef uint8_t v4u8 __attribute__((vector_size(4)));
+typedef uint16_t v4u16 __attribute__((vector_size(8)));
+typedef uint32_t v4u32 __attribute__((vector_size(16)));
+
+static inline vf widen_codes(const int8_t *c)
+{
+    v4i8 b;
+    memcpy(&b, c, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
+
+static inline vf widen_nibbles(const uint8_t *b, int shift)
+{
+    v4u8 v;
+    memcpy(&v, b, sizeof v);
+    return __builtin_convertvector((__builtin_convertvector(v, vi) >> shift) & 15, vf);
+}
+
+/* Without F16C: the magnitude's bits moved to float32's places and scaled by 2^112 (exact for
+ * normal and subnormal values alike), infinities and NaNs rebuilt, then the sign. */
+static inline vf widen_f16(const uint16_t *h)
+{
+    v4u16 v;
+    memcpy(&v, h, sizeof v);
+    const v4u32 w = __builtin_convertvector(v, v4u32), mag = (w & 0x7fff) << 13;
+    const v4u32 scaled = (v4u32)((vf)mag * SPLAT(0x1p112f));
+    const v4u32 special = (v4u32)((w & 0x7c00) == 0x7c00);  /* exponent all ones */
+    return (vf)(((special & (mag | 0x7f800000)) | (~special & scaled)) | ((w & 0x8000) << 16));
+}
+
+static inline vf widen_bf16(const uint16_t *h)
+{
+    v4u16 v;
+    memcpy(&v, h, sizeof v);
+    return (vf)(__builtin_convertvector(v, v4u32) << 16);
 }
 #endif
 

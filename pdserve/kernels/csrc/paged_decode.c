@@ -86,16 +86,17 @@ static void prefetch_walk_start(const float *cache, const int64_t *table, int64_
 /* One (sequence, KV head): q (G, D) -> out (G, D); scores: G * L floats of scratch. The query
  * heads go in groups of S = 16 VL / D (4 heads of 64 or 2 of 128 with 16 lanes: their
  * queries, or their sums, fill 16 of the 32 registers; half as many heads with AVX2's 8
- * lanes, whose 16 registers they fill, the rest spilling to L1), and each group walks the
- * keys, then the values, once: a row read from memory serves all the group's heads at once,
- * where one head at a time put passes over cached rows between the reads. Each head's sums
- * still run over the keys in order: the results are the same, bit for bit. */
+ * lanes, whose 16 registers they fill, the rest spilling to L1; one head with 4 lanes), and
+ * each group walks the keys, then the values, once: a row read from memory serves all the
+ * group's heads at once, where one head at a time put passes over cached rows between the
+ * reads. Each head's sums still run over the keys in order: the results are the same, bit for
+ * bit. */
 #define DEFINE_ATTEND(D)                                                                     \
 static void attend_##D(const float *q, const float *kc, const float *vc,                     \
                        const int64_t *table, int64_t L, int64_t G, int64_t row_stride,       \
                        int64_t bs, float scale, float *scores, float *out)                   \
 {                                                                                            \
-    enum { C = D / VL, S = 16 * VL / D, LINES = D / 16 };                                    \
+    enum { C = D / VL, S = 16 * VL / D ? 16 * VL / D : 1, LINES = D / 16 };                  \
     for (int64_t j0 = 0; j0 < G; j0 += S) {                                                  \
         const int n_heads = G - j0 < S ? (int)(G - j0) : S;                                  \
         vf qj[S][C];                                                                         \
@@ -149,7 +150,6 @@ static void attend_##D(const float *q, const float *kc, const float *vc,        
     }                                                                                        \
 }
 
-_Static_assert(16 * VL / 128 >= 1, "a group holds at least one head of 128");
 DEFINE_ATTEND(64)
 DEFINE_ATTEND(128)
 

@@ -29,10 +29,10 @@
 #define MIN_QUERY_TILE 8
 #define KEY_TILE (4 * VL)     /* keys per tile: four vectors of scores per row */
 #define VALUE_SPAN (4 * VL)   /* output columns a row accumulates at a time: four vectors */
-#if VL == 16
+#if VREGS == 32
 #define ROW_GROUP 6  /* rows whose scores (6 x 4 vectors) stay in registers together */
 #else
-#define ROW_GROUP 3  /* AVX2's 16 registers: 12 scores and 4 keys, the query from memory */
+#define ROW_GROUP 3  /* 16 registers: 12 scores and 4 keys, the query from memory */
 #endif
 
 static const vf LANES = LANE_INDICES;

@@ -1,7 +1,8 @@
 /* A panel's rows x SPAN outputs in registers (two vectors a row): what linear.c (float32
  * weights) and linear_coded.c (weights rebuilt from fewer bytes) share, so that both run the
  * same multiply-add chain and give the same results bit for bit. With 16 lanes a pass covers
- * the panel's 32 outputs; with 8 lanes (AVX2: 16 registers) it covers 16 of them, twice. */
+ * the panel's 32 outputs; with 8 lanes (AVX2) it covers 16 of them, twice; with 4 (SSE, Arm
+ * NEON), 8 of them, four times. */
 #ifndef PDSERVE_PANEL_H
 #define PDSERVE_PANEL_H
 

@@ -1,8 +1,11 @@
 /* Float32 vectors of the target's native width with GCC's vector extensions: VL = 16 lanes
- * (one AVX-512 register) or 8 (one AVX2 register), and the few operations the kernels need
- * on them. A vector wider than the target's registers would be kept in memory by GCC (10-50x
- * slower), so every kernel is written on VL lanes; results differ between the two widths
- * only where lanes are summed together (horizontal sums), not within a lane's own chain. */
+ * (one AVX-512 register), 8 (one AVX2 register) or 4 (one SSE or Arm NEON register), and the
+ * few operations the kernels need on them. A vector wider than the target's registers would be
+ * kept in memory by GCC (10-50x slower), so every kernel is written on VL lanes; results
+ * differ between widths only where lanes are summed together (horizontal sums), not within a
+ * lane's own chain (and, on x86 without FMA, where a multiply-add rounds twice). VREGS is the
+ * number of vector registers, which sizes the kernels' register tiles: 32 with AVX-512 and on
+ * 64-bit Arm, 16 on other x86 targets. */
 #ifndef PDSERVE_VEC_H
 #define PDSERVE_VEC_H
 
@@ -12,8 +15,16 @@
 #define VL 16
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VL 8
+#elif defined(__SSE2__) || defined(__ARM_NEON)
+#define VL 4
 #else
-#error "the native kernels need AVX-512, or AVX2 with FMA and F16C"
+#error "the native kernels need x86-64's SSE2 or Arm's NEON vectors"
+#endif
+
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define VREGS 32
+#else
+#define VREGS 16
 #endif
 
 typedef float vf __attribute__((vector_size(4 * VL)));
@@ -23,9 +34,12 @@ typedef int32_t vi __attribute__((vector_size(4 * VL)));
 #if VL == 16
 #define SPLAT(x) ((vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
 #define LANE_INDICES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
-#else
+#elif VL == 8
 #define SPLAT(x) ((vf){x, x, x, x, x, x, x, x})
 #define LANE_INDICES {0, 1, 2, 3, 4, 5, 6, 7}
+#else
+#define SPLAT(x) ((vf){x, x, x, x})
+#define LANE_INDICES {0, 1, 2, 3}
 #endif
 
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
@@ -51,11 +65,15 @@ static inline vf vmin(vf a, vf b) { return vselect(a < b, a, b); }
                                       13));                                                    \
     x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,  \
                                       14))
-#else
+#elif VL == 8
 #define HALVE(x, op)                                                                           \
     x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3));                          \
     x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5));                          \
     x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6))
+#else
+#define HALVE(x, op)                                                                           \
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));                                      \
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2))
 #endif
 
 static inline vf vadd(vf a, vf b) { return a + b; }
