@@ -32,10 +32,15 @@ def cluster(copying_model_dir):
         yield c
 
 
+def samples(client) -> dict[str, float]:
+    """One scrape of the gateway's /metrics: sample name -> value."""
+    return {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text)
+            for s in f.samples}
+
+
 def metric(client, name: str) -> float | None:
     """The value of the gateway's `pdserve:<name>` sample, or None when it shows none."""
-    return next((s.value for f in text_string_to_metric_families(client.get("/metrics").text)
-                 for s in f.samples if s.name == f"pdserve:{name}"), None)
+    return samples(client).get(f"pdserve:{name}")
 
 
 def wait_for(read):
@@ -61,8 +66,10 @@ def settled(read, pause_s: float = 2.5):
 
 
 def draft_counters(client) -> tuple[float, ...] | None:
-    """The gateway's three draft counters, or None when it shows none."""
-    counts = tuple(metric(client, f"{name}_total") for name in NAMES)
+    """The gateway's three draft counters from one scrape (three scrapes could straddle a
+    heartbeat), or None when it shows none."""
+    values = samples(client)
+    counts = tuple(values.get(f"pdserve:{name}_total") for name in NAMES)
     return None if None in counts else counts
 
 
@@ -91,8 +98,8 @@ def test_drafting_instances_give_colocated_tokens_and_count_their_drafts(cluster
             if len(prompt) >= THRESHOLD:  # its KV came from the prefill instance
                 assert wait_for(lambda: metric(client, "kv_transfer_bytes_total"))
         counts = wait_for(lambda: [c for c in [draft_counters(client)] if c and c[0] > 0])
-    assert counts, f"no drafts counted in {WAIT_S} s"
-    drafts, tokens, kept = counts[0]
+        assert counts, f"no drafts counted in {WAIT_S} s"
+        drafts, tokens, kept = settled(lambda: draft_counters(client))  # every heartbeat in
     assert drafts > 0 and drafts <= tokens <= 3 * drafts and 0 < kept <= tokens
 
 
