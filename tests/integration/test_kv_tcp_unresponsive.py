@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from frozen import freeze
 from test_kv_transport import LAYOUT, Producer, consumer
 
 from pdserve.kv_transfer import KVTransferError
@@ -134,7 +135,7 @@ def test_a_frozen_producer_is_held_after_a_fresh_connection_times_out():
     try:
         with consumer("tcp", LAYOUT_F32, timeout_s=1.5) as dec:
             assert dec.read_blocks(producer.descriptor, [4], [1], producer.lease) > 0
-            os.kill(producer.proc.pid, signal.SIGSTOP)
+            freeze(producer.proc.pid)
             try:
                 for where in ("tcp read from", "cannot reach producer"):
                     error = read_in_thread(dec, producer.descriptor, producer.lease)

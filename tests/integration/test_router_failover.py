@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 from cluster_procs import wait_for
+from frozen import freeze
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
@@ -58,7 +59,7 @@ def request(ids, **sampling):
 def generate_while_killing(cluster, name, ids):
     """Freeze `name`, start a request, kill `name` while the request waits on it."""
     proc = cluster.child(name).proc
-    os.kill(proc.pid, signal.SIGSTOP)
+    freeze(proc.pid)
     result = {}
 
     def run():
@@ -124,7 +125,7 @@ def test_frozen_decode_mid_stream_migrates_instead_of_hanging(cluster, tiny_mode
     call = stub(cluster).Generate(request(ids, **sampling), timeout=60)
     first = [next(call), next(call)]
     frozen = cluster.child(first[0].served_by.decode_instance).proc
-    os.kill(frozen.pid, signal.SIGSTOP)
+    freeze(frozen.pid)
     try:
         msgs = first + list(call)
     finally:

@@ -8,6 +8,7 @@ import signal
 import grpc
 import pytest
 import torch
+from frozen import freeze
 
 from pdserve import LLM, PoolingParams, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
@@ -59,7 +60,7 @@ def test_embedding_is_waited_for_while_slow_and_moved_when_frozen(cluster, tiny_
     assert slow.instance_id == "prefill-0"
     # Frozen: its probe goes unanswered, so the decode instance computes the embedding.
     prefill = cluster.child("prefill-0").proc
-    os.kill(prefill.pid, signal.SIGSTOP)
+    freeze(prefill.pid)
     try:
         moved = stub.Embed(router_pb2.EmbedRequest(
             token_ids=router_pb2.TokenIds(ids=moved_ids)), timeout=120)
