@@ -22,12 +22,8 @@ from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.chat import ChatRun
 from pdserve.gateway.completions import CompletionRun
 from pdserve.gateway.embeddings import EmbeddingRequest, EmbeddingRun
-from pdserve.gateway.guards import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_CONCURRENCY,
-    Admission,
-    GuardMiddleware,
-)
+from pdserve.gateway.guards import Admission, GuardMiddleware
+from pdserve.gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
 from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.protocol import (

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import secrets
+from typing import TYPE_CHECKING
 
-from fastapi.responses import JSONResponse
-
-from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.protocol import APIError
 
-DEFAULT_MAX_CONCURRENCY = 64
-DEFAULT_MAX_BODY_BYTES = 8 << 20
+if TYPE_CHECKING:  # fastapi and prometheus_client load with the app, not with the CLI
+    from pdserve.gateway.metrics import GatewayMetrics
+
 # Paths that need the API key: the OpenAI API, and vLLM's endpoints that use the model.
 PROTECTED_PATHS = ("/v1", "/invocations", "/tokenize", "/detokenize")
 
@@ -108,6 +107,8 @@ def _replay(body: bytes, receive):
 
 
 async def _send_error(send, e: APIError) -> None:
+    from fastapi.responses import JSONResponse
+
     response = JSONResponse(e.body(), status_code=e.status)
     await send({"type": "http.response.start", "status": e.status,
                 "headers": response.raw_headers})

@@ -22,7 +22,7 @@ import sys
 
 from pdserve.cpu_budget import add_cpu_args
 from pdserve.engine.engine_args import EngineArgs
-from pdserve.gateway.guards import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
+from pdserve.gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
 from pdserve.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.gateway.vllm_serve_args import (add_cors, add_vllm_serve_args,
                                              check_vllm_serve_args, install_middleware,

@@ -1,20 +1,30 @@
 """Chooses the attention implementation for the tensors' device.
 
 CPU tensors use the torch reference in attention.py; CUDA tensors use the Triton kernels when
-Triton is importable (kernels/triton_attention.py), with the same signature.
+Triton is importable (kernels/triton_attention.py), with the same signature. Triton is
+imported at the first CUDA call: a CPU process never loads it.
 """
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
 
 import torch
 
 from pdserve.kernels import attention as reference
 from pdserve.kernels.attention import AttentionMetadata
 
-try:
-    from pdserve.kernels import triton_attention
-except ImportError:  # Triton absent: the reference serves every device
-    triton_attention = None
+
+@functools.cache
+def triton_kernels() -> ModuleType | None:
+    """kernels/triton_attention, or None where Triton does not import (the reference then
+    serves every device)."""
+    try:
+        from pdserve.kernels import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -28,6 +38,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if softcap is not None or sliding_window is not None:
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale,
                                          softcap=softcap, sliding_window=sliding_window)
-    if q.is_cuda and triton_attention is not None:
-        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    if q.is_cuda and triton_kernels() is not None:
+        return triton_kernels().paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale)

@@ -27,10 +27,10 @@ KV_BYTES = 512 << 20
 def kernel_calls():
     """Counts the calls that reach the Triton paged attention through the dispatcher."""
     calls = []
-    real = dispatch.triton_attention.paged_attention
-    dispatch.triton_attention.paged_attention = lambda *a: calls.append(1) or real(*a)
+    real = dispatch.triton_kernels().paged_attention
+    dispatch.triton_kernels().paged_attention = lambda *a: calls.append(1) or real(*a)
     yield calls
-    dispatch.triton_attention.paged_attention = real
+    dispatch.triton_kernels().paged_attention = real
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import secrets
 
 import grpc
 import pytest
+from connectors import connectors
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
-from pdserve.kv_transfer import nixl_available
 from pdserve.proto.pdserve.v1 import (
     common_pb2,
     engine_pb2,
@@ -27,8 +27,7 @@ GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 DENIED = grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl is not installed"))])
+@pytest.fixture(scope="module", params=connectors("tcp"))
 def cluster(request, tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"auth-{request.param}")
     key_file = logs / "api_keys"

@@ -10,26 +10,23 @@ import os
 
 import grpc
 import pytest
-from cluster_procs import prefill_and_decode
+from connectors import ALL, connectors
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import LLM, SamplingParams
-from pdserve.kv_transfer import nixl_available
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
-PROMPT = list(range(2000, 2040))  # 40 tokens: 2 full blocks and a partial one
+# 40 tokens: 2 full blocks and a partial one; test_services, on the same processes, uses others
+PROMPT = list(range(5000, 5040))
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl not installed"))])
-def pd(request, tiny_model_dir):
-    prefill, decode = prefill_and_decode(tiny_model_dir, request.param)
+@pytest.fixture(scope="module", params=connectors(*ALL))
+def pd(request, pd_pair):
+    prefill, decode = pd_pair(request.param)
     p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
     d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
-    yield p, d, decode, request.param
-    prefill.stop()
-    decode.stop()
+    return p, d, decode, request.param
 
 
 @pytest.fixture(scope="module")

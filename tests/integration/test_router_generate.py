@@ -6,10 +6,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from cluster_procs import all_free, wait_for
+from connectors import connectors
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
-from pdserve.kv_transfer import nixl_available
 from pdserve.proto.pdserve.v1 import (
     common_pb2,
     router_pb2,
@@ -18,8 +18,6 @@ from pdserve.proto.pdserve.v1 import (
 
 THRESHOLD = 16  # prompts of 16+ uncached tokens are disaggregated
 KV_BYTES = 8 << 20
-CONNECTORS = ["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl is not installed"))]
 
 
 @pytest.fixture(scope="module")
@@ -283,8 +281,8 @@ def test_truncation_and_logprob_token_ids_through_the_cluster(clusters, llm):
     assert len(entries) == 4 and all({11, 12} <= e for e in entries)
 
 
-# Last: the shm cluster serves every test above, then tcp and nixl start once each.
-@pytest.mark.parametrize("connector", CONNECTORS)
+# Last: the shm cluster serves every test above; in the slow run tcp and nixl start once each.
+@pytest.mark.parametrize("connector", connectors("shm"))
 def test_disaggregated_matches_colocated(clusters, llm, connector):
     cluster = clusters(connector)
     base = {"shm": 1000, "tcp": 2000, "nixl": 3000}[connector]  # fresh prompts: no cache hits

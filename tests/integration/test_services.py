@@ -3,25 +3,21 @@
 import grpc
 import pytest
 from cluster_procs import prefill_and_decode, wait_for
+from connectors import ALL, connectors
 
 from pdserve import LLM, SamplingParams
-from pdserve.kv_transfer import nixl_available
 from pdserve.proto.pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
-CONNECTORS = ["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl is not installed"))]
 PROMPT_IDS = list(range(1000, 1090))  # 90 tokens: 5 full blocks and a partial one
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=CONNECTORS)
-def pd(request, tiny_model_dir):
-    prefill, decode = prefill_and_decode(tiny_model_dir, request.param)
+@pytest.fixture(scope="module", params=connectors(*ALL))
+def pd(request, pd_pair):
+    prefill, decode = pd_pair(request.param)
     p = engine_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
     d = engine_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
-    yield p, d, prefill, decode
-    prefill.stop()
-    decode.stop()
+    return p, d, prefill, decode
 
 
 @pytest.fixture(scope="module")

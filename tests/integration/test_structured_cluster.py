@@ -1,4 +1,5 @@
-"""Structured outputs over gRPC through a real 1P1D cluster, for each KV connector: the prefill
+"""Structured outputs over gRPC through a real 1P1D cluster, over shm (over each KV connector
+with PDSERVE_SLOW_TESTS=1: the grammar is the subject here, not the connector): the prefill
 instance samples the first token under the grammar, the decode instance's matcher accepts it
 and continues. The tiny random model keeps to the constraint only because it must, and its
 disaggregated output equals the colocated one token for token."""
@@ -11,10 +12,10 @@ import re
 import grpc
 import jsonschema
 import pytest
+from connectors import connectors
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import Cluster, ClusterSpec
-from pdserve.kv_transfer import nixl_available
 from pdserve.proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 PROMPT = list(range(6000, 6040))
@@ -36,8 +37,7 @@ CONSTRAINTS = {
 SAMPLINGS = {"greedy": dict(temperature=0), "seeded": dict(temperature=1.0, seed=42)}
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_available(), reason="nixl is not installed"))])
+@pytest.fixture(scope="module", params=connectors("shm"))
 def cluster(request, tiny_model_dir, tmp_path_factory):
     spec = ClusterSpec(model=str(tiny_model_dir), connector=request.param, grpc_port=0,
                        disagg_threshold=16, kv_cache_memory_bytes=8 << 20,
