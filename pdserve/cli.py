@@ -20,11 +20,14 @@ from pdserve.vllm_argv import normalize_argv
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdserve import LLM, SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    # checked before the model loads: a bad value fails at once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.sampling_seed)
+    from pdserve import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
