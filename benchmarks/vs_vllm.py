@@ -30,7 +30,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -65,27 +64,13 @@ def export_hf(hf_dir: Path) -> None:
     load_tokenizer(resolved).save_pretrained(hf_dir)
 
 
-def decode_ceiling(hf_dir: Path, rows: int = 64, reps: int = 5) -> float:
+def decode_ceiling(hf_dir: Path, rows: int = 64) -> float:
     """Tokens/s if a decode step of `rows` sequences cost only its matrix products."""
-    import torch
-    import torch.nn.functional as F
+    from offline_floor import matmul_seconds, projection_shapes
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    head_dim = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * head_dim
-    shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * layers
-    shapes.append((cfg["vocab_size"], h))
-    weights = [torch.randn(o, i) for o, i in shapes]
-    x = {i: torch.randn(rows, i) for i in {i for _, i in shapes}}
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for w in weights:
-                F.linear(x[w.shape[1]], w)
-            best = min(best, time.perf_counter() - t0)
-    return rows / best
+    head = [(cfg["vocab_size"], cfg["hidden_size"])]
+    return rows / matmul_seconds(projection_shapes(cfg) + head, rows, reps=5)
 
 
 def offline(python: str, engine: str, hf_dir: Path, workload: str, n: int | None,
