@@ -38,6 +38,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if softcap is not None or sliding_window is not None:
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale,
                                          softcap=softcap, sliding_window=sliding_window)
-    if q.is_cuda and triton_kernels() is not None:
-        return triton_kernels().paged_attention(q, k, v, k_cache, v_cache, meta, scale)
-    return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    kernels = triton_kernels() if q.is_cuda else None
+    return (kernels or reference).paged_attention(q, k, v, k_cache, v_cache, meta, scale)
