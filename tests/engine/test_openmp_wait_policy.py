@@ -2,7 +2,9 @@
 an OpenMP pool: libgomp counts more threads than cores and throttles the barrier spin, so the
 compute threads sleep and wake at every barrier unless pdserve's wait-policy default
 (cpu_budget.set_openmp_defaults) raises the throttled spin. Counted in context switches, in
-child processes that set the policy before torch loads."""
+child processes that set the policy before torch loads. Two to ten engine processes, each
+counted against the machine's load: with PDSERVE_SLOW_TESTS=1 (tests/unit/test_cpu_budget.py
+checks in every run that the policy is set before torch loads)."""
 
 import json
 import os
@@ -47,6 +49,8 @@ def _switches(model_dir, policy: str) -> int:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(not os.environ.get("PDSERVE_SLOW_TESTS"),
+                    reason="set PDSERVE_SLOW_TESTS=1 (2-10 engine processes, 15-50 s)")
 @pytest.mark.skipif(len(available_cores()) < 2 or not torch_ships_libgomp(),
                     reason="needs two cores and torch's libgomp")
 def test_engine_thread_keeps_spinning_beside_another_pool(tiny_model_dir):

@@ -24,14 +24,16 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m pdserve.cli ARGS` with a known port; stopped with SIGTERM (then SIGKILL)."""
 
-    def __init__(self, *args: str, port: int | None = None, startup_timeout: float = 90):
+    def __init__(self, *args: str, port: int | None = None, startup_timeout: float = 90,
+                 wait: bool = True):
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *args, "--port", str(self.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.wait_healthy(startup_timeout)
+        if wait:
+            self.wait_healthy(startup_timeout)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -136,13 +138,17 @@ def wait_for(predicate, timeout: float = 15, interval: float = 0.1) -> bool:
 
 def prefill_and_decode(model_dir, connector: str, kv_bytes: int = 8 << 20
                        ) -> tuple[ServerProcess, ServerProcess]:
-    """A prefill (5 s leases) and a decode process of `model_dir` over `connector`."""
+    """A prefill (5 s leases) and a decode process of `model_dir` over `connector`, started
+    side by side (each loads on its own core where there are two)."""
     common = ["--model", str(model_dir), "--connector", connector,
               "--kv-cache-memory-bytes", str(kv_bytes)]
-    prefill = ServerProcess("prefill", *common, "--kv-lease-s", "5")
+    pair = (ServerProcess("prefill", *common, "--kv-lease-s", "5", wait=False),
+            ServerProcess("decode", *common, wait=False))
     try:
-        decode = ServerProcess("decode", *common)
+        for server in pair:
+            server.wait_healthy(90)
     except Exception:
-        prefill.stop()
+        for server in pair:
+            server.stop()
         raise
-    return prefill, decode
+    return pair
