@@ -31,6 +31,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pdserve.cache_dir import CACHE_ENV, cache_dir  # noqa: F401 (CACHE_ENV: the tests set it)
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "paged_prefill.c", "elementwise.c", "argmax.c", "linear.c",
@@ -39,7 +41,6 @@ HEADERS = ("vec.h", "kernels.h", "decoder_layers.h", "panel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC")
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"
-CACHE_ENV = "PDSERVE_CACHE_DIR"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -168,7 +169,7 @@ def load() -> ctypes.CDLL | None:
         return None
     importlib.import_module("torch")  # its libgomp first: the library then shares its threads
 
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve")
+    cache = cache_dir()
     try:
         target = cache / f"native-{_build_key(cc, lanes)}.so"
         if not target.exists():

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pdserve.models.arch import ModelArch, check_architecture
+from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
 from pdserve.models.hf_cache import cached_snapshot, is_repo_id
 
 if TYPE_CHECKING:
@@ -147,7 +148,11 @@ def load_tokenizer(resolved: ResolvedModel, mode: str = "auto",
     if mode == "slow":
         kwargs["use_fast"] = False
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved.directory, **kwargs)
+        if resolved.gguf_file and mode != "slow":
+            tokenizer = load_gguf_tokenizer(resolved.path, lambda: AutoTokenizer.from_pretrained(
+                resolved.directory, **kwargs))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(resolved.directory, **kwargs)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: cannot load a {mode!r} tokenizer from "
                          f"{resolved.path!r}: {e}") from e

@@ -1,0 +1,14 @@
+"""Where pdserve keeps what it builds once per machine (native kernels, converted GGUF
+tokenizers): $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_ENV = "PDSERVE_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """The cache folder (not created here)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve")
