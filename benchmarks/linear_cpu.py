@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from pdserve.kernels.cpu_linear import PackedLinear
-from pdserve.models.loader import _dequantize
+from pdserve.models.gguf_file import dequantize_ggml
 
 SMOLLM2_135M = {"layers": 30, "hidden": 576, "qkv": 576 + 2 * 192, "inter": 1536,
                 "vocab": 49152}
@@ -42,7 +42,7 @@ SMOLLM2_135M = {"layers": 30, "hidden": 576, "qkv": 576 + 2 * 192, "inter": 1536
 def gguf_values(w: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """w quantized by gguf and dequantized by the model loader: float32 again."""
     raw = quants.quantize(w.numpy(), qtype).reshape(-1).view(np.uint8)
-    return _dequantize(torch.from_numpy(raw.copy()), qtype, tuple(w.shape))
+    return dequantize_ggml(torch.from_numpy(raw.copy()), qtype, tuple(w.shape))
 
 
 def weights(shape: dict) -> list[torch.Tensor]:

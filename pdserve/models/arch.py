@@ -128,6 +128,12 @@ class ModelArch:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
     @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> ModelArch:
+        """Rebuild from `dataclasses.asdict` output that went through JSON (lists become
+        the tuples they were)."""
+        return cls(**{name: _freeze(value) for name, value in fields.items()})
+
+    @classmethod
     def from_hf_config(cls, cfg: Any, generation_config: Any = None) -> "ModelArch":
         """Build from a transformers PretrainedConfig (and optional GenerationConfig)."""
         archs = getattr(cfg, "architectures", None) or []

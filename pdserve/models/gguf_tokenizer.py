@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cache_dir import cache_dir
+from pdserve.models.remembered import load_tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,11 @@ def load_gguf_tokenizer(gguf_path: str | Path, convert: Callable[[], Any]) -> An
     """The tokenizer of `gguf_path`: from the cache when it holds it, else `convert()`'s
     (transformers' conversion), which is then saved there for the next load. A cache that
     cannot be read or written only costs the conversion."""
-    from transformers import AutoTokenizer
-
     folder = cached_folder(gguf_path)
     if folder.is_dir():
         try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            tokenizer = load_tokenizer_folder(folder, lambda: _autoload(folder),
+                                              local_files_only=True)
             tokenizer.name_or_path = str(Path(gguf_path).parent)  # as the conversion names it
             return tokenizer
         except (OSError, ValueError) as e:
@@ -61,6 +61,12 @@ def load_gguf_tokenizer(gguf_path: str | Path, convert: Callable[[], Any]) -> An
     except OSError as e:
         log.info("the converted GGUF tokenizer is not cached (%s): %s", folder, e)
     return tokenizer
+
+
+def _autoload(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def _save(tokenizer: Any, folder: Path) -> None:

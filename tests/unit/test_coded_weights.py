@@ -15,7 +15,7 @@ from gguf import quants
 from pdserve.kernels import cpu_linear, native
 from pdserve.kernels.coded_weights import DISABLE_ENV, encode, rebuild
 from pdserve.kernels.cpu_linear import CODED_MAX_ROWS, PackedLinear
-from pdserve.models.loader import _dequantize
+from pdserve.models.gguf_file import dequantize_ggml
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels not built")
 
@@ -29,7 +29,7 @@ def gguf_weight(shape, qtype, seed=0) -> torch.Tensor:
     """A random weight through gguf's quantizer and the loader's dequantization."""
     w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05
     raw = torch.from_numpy(quants.quantize(w, qtype).reshape(-1).view(np.uint8).copy())
-    return _dequantize(raw, qtype, shape)
+    return dequantize_ggml(raw, qtype, shape)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

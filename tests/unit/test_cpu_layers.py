@@ -130,7 +130,7 @@ def test_coded_weights_give_the_float32_panels_results_bit_for_bit(monkeypatch):
     from gguf import GGMLQuantizationType, quants
 
     from pdserve.kernels import cpu_linear
-    from pdserve.models.loader import _dequantize
+    from pdserve.models.gguf_file import dequantize_ggml
 
     for module in (cpu_linear, cpu_layers):
         monkeypatch.setattr(module, "coded_max_rows", lambda: cpu_linear.CODED_MAX_ROWS)
@@ -142,7 +142,7 @@ def test_coded_weights_give_the_float32_panels_results_bit_for_bit(monkeypatch):
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name:
                 raw = quants.quantize(p.numpy() * 0.1, GGMLQuantizationType.Q4_1)
-                p.copy_(_dequantize(torch.from_numpy(raw.reshape(-1).view(np.uint8).copy()),
+                p.copy_(dequantize_ggml(torch.from_numpy(raw.reshape(-1).view(np.uint8).copy()),
                                     GGMLQuantizationType.Q4_1, tuple(p.shape)))
     model.pack_for_cpu()
     layers = model.native_layers
