@@ -15,6 +15,7 @@ entry.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,8 @@ import grpc
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.scorers.base import InstanceView
 from pdserve.router.wire_names import check_address, check_instance_id
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
 ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "both", "both": "both"}
@@ -152,12 +155,14 @@ class Registry:
             self._forget_lapsed(now)
         return inst
 
-    def mark_down(self, instance_id: str) -> None:
-        """An RPC to this instance failed: skip it until it answers again."""
+    def mark_down(self, instance_id: str) -> bool:
+        """An RPC to this instance failed: skip it until it answers again. True when it was
+        not marked down already."""
         with self._lock:
             inst = self._table.get(instance_id)
             if inst is not None:
                 self._table[instance_id] = replace(inst, down_since=self.clock())
+            return inst is not None and inst.down_since is None
 
     def is_live(self, inst: Instance, now: float) -> bool:
         return inst.down_since is None and now - inst.last_seen <= self.ttl_s
@@ -256,8 +261,10 @@ class StaticPoller:
                 load = fut.result()
             except grpc.RpcError as e:
                 # NOTE: a slow answer is left to the TTL; only a refused connection is "down".
-                if e.code() == grpc.StatusCode.UNAVAILABLE and address in self._ids:
-                    self.registry.mark_down(self._ids[address])
+                if e.code() == grpc.StatusCode.UNAVAILABLE and address in self._ids \
+                        and self.registry.mark_down(self._ids[address]):
+                    log.warning("instance %s (%s) does not answer polls: not routed to until "
+                                "it does (%s)", self._ids[address], address, e.details())
                 continue
             try:
                 inst = self.registry.observe(load, address=address, role=role,

@@ -56,8 +56,18 @@ def request(ids, **sampling):
                                       sampling=common_pb2.SamplingParams(**(sampling or SAMPLING)))
 
 
+def listed_prefills(cluster) -> dict[str, int]:
+    """Prefill instances the router would route to now, with their waiting prompt tokens."""
+    listed = stub(cluster).ListInstances(router_pb2.ListInstancesRequest(), timeout=5)
+    return {i.instance_id: i.waiting_tokens for i in listed.instances
+            if i.instance_id.startswith("prefill")}
+
+
 def generate_while_killing(cluster, name, ids):
-    """Freeze `name`, start a request, kill `name` while the request waits on it."""
+    """Freeze `name`, start a request, kill `name` while the request waits on it. First wait
+    until the router lists `name` and every prefill it lists is idle: the pick is a tie."""
+    assert wait_for(lambda: name in (seen := listed_prefills(cluster))
+                    and not any(seen.values()), timeout=15), listed_prefills(cluster)
     proc = cluster.child(name).proc
     freeze(proc.pid)
     result = {}
@@ -80,6 +90,10 @@ def generate_while_killing(cluster, name, ids):
     return result["msgs"], time.monotonic() - start
 
 
+def router_log(cluster) -> str:
+    return (cluster.log_dir / "router.log").read_text()[-3000:]
+
+
 def decodes_free(cluster):
     for child in cluster.instances:
         if child.role == "decode" and child.proc.poll() is None:
@@ -96,7 +110,7 @@ def test_killed_prefill_is_retried_on_the_other_one(cluster, reference):
     msgs, seconds = generate_while_killing(cluster, "prefill-0", ids)
     assert [t for m in msgs for t in m.token_ids] == reference(ids)
     served = msgs[-1].served_by
-    assert served.disaggregated and served.prefill_attempts == 2
+    assert served.disaggregated and served.prefill_attempts == 2, (served, router_log(cluster))
     assert served.prefill_instance == "prefill-1"
     assert seconds < 15
     assert wait_for(lambda: decodes_free(cluster), timeout=15)

@@ -122,14 +122,15 @@ def test_mark_down_until_a_later_answer(reg, clock):
     reg.observe(load())
     started_before = clock.t
     clock.t += 0.5
-    reg.mark_down("d0")
+    assert reg.mark_down("d0")  # newly down
+    assert not reg.mark_down("d0")  # already down
     assert reg.live() == []
     reg.observe(load(), seen_at=started_before)  # a poll sent before the failure
     assert reg.live() == []
     clock.t += 0.1
     reg.observe(load())
     assert [i.id for i in reg.live()] == ["d0"]
-    reg.mark_down("unknown")  # no-op
+    assert not reg.mark_down("unknown")  # no-op
 
 
 def test_static_and_heartbeat_share_one_entry(reg):
