@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -22,6 +23,19 @@ class _TensorInfo:
     shape: tuple[int, ...]  # torch order (GGUF stores dims innermost-first)
     qtype: int
     offset: int  # absolute byte offset in the file
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file's reader, read once per process while the file stays the same (resolving
+    a model, its config and its weights all read the metadata)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _open_gguf(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 class GGUFFile:
@@ -64,6 +78,15 @@ class GGUFFile:
         self._pos += n
         return self._mm[self._pos - n : self._pos].decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        mm, pos, length, out = self._mm, self._pos, struct.Struct("<Q").unpack_from, []
+        for _ in range(count):
+            (n,) = length(mm, pos)
+            out.append(mm[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
+            pos += 8 + n
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self._string()
@@ -71,6 +94,8 @@ class GGUFFile:
             item_type, count = self._unpack("IQ")
             if item_type in _SCALARS:
                 return list(self._unpack(f"{count}{_SCALARS[item_type]}"))
+            if item_type == _STRING:  # a vocabulary: tens of thousands, read in one loop
+                return self._strings(count)
             return [self._value(item_type) for _ in range(count)]
         return self._unpack(_SCALARS[vtype])[0]
 
@@ -146,7 +171,7 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf_state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = GGUFFile(path)
+    g = open_gguf(path)
     arch = g.metadata["general.architecture"]
     if arch not in GGUF_ARCHS:
         raise ValueError(f"model: GGUF architecture {arch!r} is not supported")

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from pdserve.models.arch import ModelArch, check_architecture
 from pdserve.models.gguf_file import (
     GGUF_ARCHS,
-    GGUFFile,
     gguf_config_kwargs,
     load_gguf_state_dict,
+    open_gguf,
 )
 from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
 from pdserve.models.hf_cache import cached_snapshot, is_repo_id
@@ -74,7 +74,7 @@ def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
             )
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
-        arch = GGUFFile(path).metadata.get("general.architecture")
+        arch = open_gguf(path).metadata.get("general.architecture")
         if arch not in GGUF_ARCHS:
             raise ValueError(f"model: GGUF architecture {arch!r} is not supported (supported: llama, qwen2)")
         return ResolvedModel(path=str(path), gguf_file=path.name, name=model)
@@ -116,7 +116,7 @@ def _hf_config(resolved: ResolvedModel) -> tuple[Any, Any]:
     from transformers import AutoConfig, GenerationConfig
 
     if resolved.gguf_file:
-        model_type, fields = gguf_config_kwargs(GGUFFile(resolved.path))
+        model_type, fields = gguf_config_kwargs(open_gguf(resolved.path))
         return AutoConfig.for_model(model_type, **fields), None
     cfg = AutoConfig.from_pretrained(resolved.path, local_files_only=True)
     gen = None
@@ -128,7 +128,7 @@ def _hf_config(resolved: ResolvedModel) -> tuple[Any, Any]:
 def _config_sources(resolved: ResolvedModel) -> list[str | bytes]:
     """Everything `_hf_config` reads from the model's files."""
     if resolved.gguf_file:
-        fields = gguf_config_kwargs(GGUFFile(resolved.path))
+        fields = gguf_config_kwargs(open_gguf(resolved.path))
         return ["gguf", json.dumps(fields, sort_keys=True)]
     root = Path(resolved.path)
     gen = root / "generation_config.json"

@@ -188,6 +188,26 @@ def test_smollm2_arch(smollm2) -> None:
     assert arch == ModelArch.from_hf_config(cfg)
 
 
+def test_smollm2_metadata_matches_gguf_py(smollm2) -> None:
+    """Our reader's metadata (string arrays read in one loop) is gguf-py's, and the reader is
+    opened once per process while the file stays the same."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from pdserve.models.gguf_file import open_gguf
+
+    ours = open_gguf(smollm2.path)
+    assert open_gguf(smollm2.path) is ours
+    reference = GGUFReader(smollm2.path)
+    assert set(ours.metadata) == {k for k in reference.fields if not k.startswith("GGUF.")}
+    for key, field in reference.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if field.types[0] == GGUFValueType.ARRAY and field.types[-1] == GGUFValueType.STRING:
+            assert ours.metadata[key] == [bytes(field.parts[i]).decode() for i in field.data], key
+    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
+    assert set(ours.tensors) == {t.name for t in reference.tensors}
+
+
 def test_smollm2_tokenizer(smollm2, tiny_model_dir: Path) -> None:
     tok = load_tokenizer(smollm2)
     assert tok.chat_template
