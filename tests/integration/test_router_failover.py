@@ -4,6 +4,7 @@ One 2P2D cluster, taken apart step by step. A prefill instance is frozen (SIGSTO
 request is sure to be waiting on it, then killed (SIGKILL) mid-request.
 """
 
+import gc
 import os
 import signal
 import threading
@@ -56,32 +57,41 @@ def request(ids, **sampling):
                                       sampling=common_pb2.SamplingParams(**(sampling or SAMPLING)))
 
 
-def listed_prefills(cluster) -> dict[str, int]:
+def listed_prefills(router) -> dict[str, int]:
     """Prefill instances the router would route to now, with their waiting prompt tokens."""
-    listed = stub(cluster).ListInstances(router_pb2.ListInstancesRequest(), timeout=5)
+    listed = router.ListInstances(router_pb2.ListInstancesRequest(), timeout=5)
     return {i.instance_id: i.waiting_tokens for i in listed.instances
             if i.instance_id.startswith("prefill")}
 
 
 def generate_while_killing(cluster, name, ids):
-    """Freeze `name`, start a request, kill `name` while the request waits on it. First wait
-    until the router lists `name` and every prefill it lists is idle: the pick is a tie."""
-    assert wait_for(lambda: name in (seen := listed_prefills(cluster))
-                    and not any(seen.values()), timeout=15), listed_prefills(cluster)
+    """Freeze `name`, start a request, kill `name` while the request waits on it (the router
+    waits --prefill-timeout-s, 2 s, before it probes a silent prefill). First wait until the
+    router lists `name` and every prefill it lists is idle: the pick is a tie. The request
+    goes out on a channel already connected, with no garbage collection in this process
+    meanwhile: it must reach the router before `name` dies and is marked down there."""
+    router = stub(cluster)
+    assert wait_for(lambda: name in (seen := listed_prefills(router))
+                    and not any(seen.values()), timeout=15), listed_prefills(router)
     proc = cluster.child(name).proc
-    freeze(proc.pid)
     result = {}
 
     def run():
         try:
-            result["msgs"] = list(stub(cluster).Generate(request(ids), timeout=30))
+            result["msgs"] = list(router.Generate(request(ids), timeout=30))
         except grpc.RpcError as e:
             result["error"] = e
 
     thread = threading.Thread(target=run)
-    start = time.monotonic()
-    thread.start()
-    time.sleep(0.5)
+    gc.collect()
+    gc.disable()
+    try:
+        freeze(proc.pid)
+        start = time.monotonic()
+        thread.start()
+        time.sleep(1.0)
+    finally:
+        gc.enable()
     proc.kill()
     proc.wait(10)
     thread.join(30)
