@@ -33,6 +33,8 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.services.convert import params_from_proto
 
 logger = logging.getLogger(__name__)
+# Initial metadata of a Generate call the router accepted and routed: the request's id.
+REQUEST_ID_HEADER = "pdserve-request-id"
 Code = grpc.StatusCode
 
 
@@ -96,6 +98,8 @@ class GenerateFlow:
             plan = self.core.planner.plan(prompt_ids, params.n, self.request.cache_salt)
         except NoDecodeInstance as e:
             self._abort(Code.UNAVAILABLE, str(e))
+        # Accepted and routed: the client learns so, and the request's id, before any token.
+        self.context.send_initial_metadata(((REQUEST_ID_HEADER, self.rid),))
         with self.core.planner.open_requests.holding(plan.decode.id):
             first = self._prefill(plan, prompt_ids) if plan.disaggregate else None
             if first is not None:

@@ -4,7 +4,6 @@ One 2P2D cluster, taken apart step by step. A prefill instance is frozen (SIGSTO
 request is sure to be waiting on it, then killed (SIGKILL) mid-request.
 """
 
-import gc
 import os
 import signal
 import threading
@@ -65,39 +64,26 @@ def listed_prefills(router) -> dict[str, int]:
 
 
 def generate_while_killing(cluster, name, ids):
-    """Freeze `name`, start a request, kill `name` while the request waits on it (the router
-    waits --prefill-timeout-s, 2 s, before it probes a silent prefill). First wait until the
-    router lists `name` and every prefill it lists is idle: the pick is a tie. The request
-    goes out on a channel already connected, with no garbage collection in this process
-    meanwhile: it must reach the router before `name` dies and is marked down there."""
+    """Freeze `name`, start a request, kill `name` once the router has accepted and routed
+    the request (its initial metadata), while the request waits on `name` (the router waits
+    --prefill-timeout-s, 2 s, before it probes a silent prefill). First wait until the router
+    lists `name` and every prefill it lists is idle: the pick is a tie."""
     router = stub(cluster)
     assert wait_for(lambda: name in (seen := listed_prefills(router))
                     and not any(seen.values()), timeout=15), listed_prefills(router)
     proc = cluster.child(name).proc
-    result = {}
-
-    def run():
-        try:
-            result["msgs"] = list(router.Generate(request(ids), timeout=30))
-        except grpc.RpcError as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=run)
-    gc.collect()
-    gc.disable()
+    freeze(proc.pid)
+    start = time.monotonic()
+    call = router.Generate(request(ids), timeout=30)
     try:
-        freeze(proc.pid)
-        start = time.monotonic()
-        thread.start()
-        time.sleep(1.0)
-    finally:
-        gc.enable()
-    proc.kill()
-    proc.wait(10)
-    thread.join(30)
-    assert not thread.is_alive(), "the request hung"
-    assert "error" not in result, result.get("error")
-    return result["msgs"], time.monotonic() - start
+        call.initial_metadata()  # accepted and routed
+        time.sleep(0.3)
+        proc.kill()
+        proc.wait(10)
+        msgs = list(call)
+    except grpc.RpcError as e:
+        raise AssertionError(f"the request failed: {e}") from None
+    return msgs, time.monotonic() - start
 
 
 def router_log(cluster) -> str:

@@ -256,6 +256,26 @@ def test_two_clients_choosing_the_same_request_id_both_get_their_answer(clusters
     assert wait_for(lambda: all_free(cluster), timeout=15)
 
 
+def test_initial_metadata_names_the_request_before_any_token(clusters):
+    """An accepted Generate call sends `pdserve-request-id` first: the client's id, else the
+    one the router made up, which every answer then carries; a refused call sends none."""
+    cluster = clusters("shm")
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for request_id in ("mine", ""):
+        call = router(cluster).Generate(router_pb2.GenerateRequest(
+            request_id=request_id, token_ids=router_pb2.TokenIds(ids=list(range(4500, 4540))),
+            sampling=sampling), timeout=60)
+        (header,) = [v for k, v in call.initial_metadata() if k == "pdserve-request-id"]
+        assert header == (request_id or header) and len(header) >= 4
+        assert {m.request_id for m in call} == {header}
+    bad = router(cluster).Generate(router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=[-1]), sampling=sampling), timeout=60)
+    with pytest.raises(grpc.RpcError) as e:
+        list(bad)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "pdserve-request-id" not in dict(bad.initial_metadata() or ())
+
+
 def test_list_instances(clusters):
     cluster = clusters("shm")
     listed = router(cluster).ListInstances(router_pb2.ListInstancesRequest(), timeout=5)
