@@ -15,8 +15,13 @@ from test_gguf_tokenizer import assert_same
 
 from pdserve.cache_dir import CACHE_ENV
 from pdserve.models.arch import ModelArch
-from pdserve.models.loader import (DEFAULT_MODEL, _hf_config, load_arch, load_tokenizer,
-                                   resolve_model)
+from pdserve.models.loader import (
+    DEFAULT_MODEL,
+    _hf_config,
+    load_arch,
+    load_tokenizer,
+    resolve_model,
+)
 from pdserve.models.tiny import write_tiny_llama
 
 ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -103,24 +108,29 @@ def test_the_remembered_tokenizer_class_gives_autotokenizers(model_dirs, cache, 
 
 
 def test_a_later_process_imports_no_config_class(model_dirs, cache):
-    """The point of remembering: a process that loads a known model's arch and tokenizer
-    imports none of transformers' model config classes (nor torch)."""
+    """The point of remembering: once a model's arch and tokenizer were worked out (here, in
+    this process), another process loads them without importing transformers' model config
+    classes or torch; reading the config through transformers there imports them."""
     folder = model_dirs["LlamaForCausalLM"]
+    resolved = resolve_model(str(folder))
+    arch, vocab = load_arch(resolved), len(load_tokenizer(resolved))
     script = f"""
 import sys
-from pdserve.models.loader import load_arch, load_tokenizer, resolve_model
+from pdserve.models.loader import _hf_config, load_arch, load_tokenizer, resolve_model
+def configs():
+    return sorted(m for m in sys.modules if m.startswith("transformers.models.")
+                  and ".configuration_" in m)
 resolved = resolve_model({str(folder)!r})
 print(load_arch(resolved).hidden_size, len(load_tokenizer(resolved)))
-print(sorted(m for m in sys.modules if m.startswith("transformers.models.")
-             and ".configuration_" in m), "torch" in sys.modules)
+print(configs(), "torch" in sys.modules)
+_hf_config(resolved)
+print(configs())
 """
-    env_run = dict(capture_output=True, text=True, timeout=120, check=True)
-    first = subprocess.run([sys.executable, "-c", script], **env_run).stdout.splitlines()
-    second = subprocess.run([sys.executable, "-c", script], **env_run).stdout.splitlines()
-    assert first[0] == second[0]
-    assert "configuration_llama" in first[1]  # worked out by transformers the first time
-    assert second[1] == "[] False"
-    assert load_arch(resolve_model(str(folder))).hidden_size == int(first[0].split()[0])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()
+    assert out[0] == f"{arch.hidden_size} {vocab}"
+    assert out[1] == "[] False"
+    assert "transformers.models.llama.configuration_llama" in out[2]  # the check can tell
 
 
 def test_an_unwritable_cache_still_loads(model_dirs, tmp_path, monkeypatch):
