@@ -26,8 +26,9 @@ class _TensorInfo:
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """The file's reader, read once per process while the file stays the same (resolving
-    a model, its config and its weights all read the metadata)."""
+    """The file's reader for its metadata, read once per process while the file stays the
+    same (resolving a model and reading its config both need it). The weights are read
+    through a reader of their own, whose mapping of the file goes once they are read."""
     path = Path(path).resolve()
     stat = path.stat()
     return _open_gguf(path, stat.st_size, stat.st_mtime_ns)
@@ -171,7 +172,7 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf_state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = open_gguf(path)
+    g = GGUFFile(path)
     arch = g.metadata["general.architecture"]
     if arch not in GGUF_ARCHS:
         raise ValueError(f"model: GGUF architecture {arch!r} is not supported")

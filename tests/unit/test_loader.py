@@ -189,8 +189,8 @@ def test_smollm2_arch(smollm2) -> None:
 
 
 def test_smollm2_metadata_matches_gguf_py(smollm2) -> None:
-    """Our reader's metadata (string arrays read in one loop) is gguf-py's, and the reader is
-    opened once per process while the file stays the same."""
+    """Our reader's metadata (string arrays read in one loop) is gguf-py's, and the reader of
+    the metadata is opened once per process while the file stays the same."""
     from gguf import GGUFReader, GGUFValueType
 
     from pdserve.models.gguf_file import open_gguf
