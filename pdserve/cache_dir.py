@@ -1,5 +1,5 @@
-"""Where pdserve keeps what it builds once per machine (native kernels, converted GGUF
-tokenizers): $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
+"""Where pdserve keeps what it works out once per machine (native kernels, converted GGUF
+tokenizers, remembered model facts): $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
 
 from __future__ import annotations
 

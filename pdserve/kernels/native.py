@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pdserve.cache_dir import CACHE_ENV, cache_dir  # noqa: F401 (CACHE_ENV: the tests set it)
+from pdserve.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 

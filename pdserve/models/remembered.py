@@ -67,9 +67,9 @@ def load_tokenizer_folder(folder: str | Path, autoload: Callable[[], Any],
     """The tokenizer in `folder`: `autoload()` (AutoTokenizer's) the first time; after that
     the class it chose, loaded straight from the folder with `kwargs`."""
     folder = Path(folder).resolve()
-    stamps = [str(folder), *(f"{f.name}\0{f.stat().st_size}\0{f.stat().st_mtime_ns}"
-                             for f in sorted(folder.iterdir()) if f.is_file())]
-    stamps.append(json.dumps(kwargs, sort_keys=True))
+    files = [(f.name, f.stat()) for f in sorted(folder.iterdir()) if f.is_file()]
+    stamps = [str(folder), *(f"{name}\0{st.st_size}\0{st.st_mtime_ns}" for name, st in files),
+              json.dumps(kwargs, sort_keys=True)]
 
     def load(saved: dict[str, str]) -> Any:
         cls = getattr(importlib.import_module(saved["module"]), saved["name"])

@@ -4,6 +4,7 @@ reference written here, over shuffled paged caches; its refusals; the torch fall
 import pytest
 import torch
 
+from pdserve.cache_dir import CACHE_ENV
 from pdserve.kernels import attention, cpu_decode, native
 from pdserve.kernels.attention import AttentionMetadata, PrefillSpan
 
@@ -152,7 +153,7 @@ def test_unsupported_shapes_take_the_torch_path():
 
 def test_without_a_compiler_the_torch_kernels_serve(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     native.load.cache_clear()
     try:
         assert native.load() is None
@@ -163,7 +164,7 @@ def test_without_a_compiler_the_torch_kernels_serve(monkeypatch, tmp_path):
 
 
 def test_build_is_cached_per_machine(monkeypatch, tmp_path):
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     native.load.cache_clear()
     try:
         assert native.load() is not None

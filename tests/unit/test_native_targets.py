@@ -29,6 +29,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_coded_weights import gguf_weight
 
+from pdserve.cache_dir import CACHE_ENV
 from pdserve.kernels import native
 from pdserve.kernels.coded_weights import encode
 from pdserve.kernels.cpu_linear import pack_panels
@@ -167,7 +168,7 @@ def test_a_target_without_vectors_leaves_the_torch_kernels(tmp_path, monkeypatch
     monkeypatch.setenv("REAL_CC", shlex.join(native._compiler()))
     monkeypatch.setenv("CC", wrapper_for(NO_VECTORS, tmp_path))
     cache = tmp_path / "cache"
-    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    monkeypatch.setenv(CACHE_ENV, str(cache))
     assert native.load.__wrapped__() is None  # load() itself stays cached for other tests
     assert not cache.exists() or not any(cache.iterdir())
 
@@ -210,7 +211,7 @@ def children(tmp_path_factory):
         folder = tmp_path_factory.mktemp(name)
         env = {**os.environ, "REAL_CC": shlex.join(native._compiler()),
                "CC": HASWELL if flags is None else wrapper_for(flags, folder),
-               native.CACHE_ENV: str(folder / "cache")}
+               CACHE_ENV: str(folder / "cache")}
         env.pop(native.DISABLE_ENV, None)
         script = (f"{shlex.join([sys.executable, '-c', PROBE, str(folder / 'linear.pt')])}"
                   f" > {folder / 'probe.out'} 2> {folder / 'probe.err'}")
