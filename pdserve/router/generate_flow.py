@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import quote
 
 import grpc
 
@@ -33,7 +34,9 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.services.convert import params_from_proto
 
 logger = logging.getLogger(__name__)
-# Initial metadata of a Generate call the router accepted and routed: the request's id.
+# Initial metadata of a Generate call the router accepted and routed: the request's id,
+# percent-encoded (UTF-8; metadata values are ASCII), which leaves ids of letters, digits,
+# "-", "_", "." and "~" as they are.
 REQUEST_ID_HEADER = "pdserve-request-id"
 Code = grpc.StatusCode
 
@@ -99,7 +102,7 @@ class GenerateFlow:
         except NoDecodeInstance as e:
             self._abort(Code.UNAVAILABLE, str(e))
         # Accepted and routed: the client learns so, and the request's id, before any token.
-        self.context.send_initial_metadata(((REQUEST_ID_HEADER, self.rid),))
+        self.context.send_initial_metadata(((REQUEST_ID_HEADER, quote(self.rid, safe="")),))
         with self.core.planner.open_requests.holding(plan.decode.id):
             first = self._prefill(plan, prompt_ids) if plan.disaggregate else None
             if first is not None:

@@ -2,6 +2,7 @@
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import unquote
 
 import grpc
 import pytest
@@ -257,23 +258,32 @@ def test_two_clients_choosing_the_same_request_id_both_get_their_answer(clusters
 
 
 def test_initial_metadata_names_the_request_before_any_token(clusters):
-    """An accepted Generate call sends `pdserve-request-id` first: the client's id, else the
-    one the router made up, which every answer then carries; a refused call sends none."""
+    """An accepted Generate call sends `pdserve-request-id` first: the client's id
+    (percent-encoded: metadata is ASCII), else the one the router made up, which every answer
+    then carries; a refused call sends none, and the router goes on serving."""
     cluster = clusters("shm")
     sampling = common_pb2.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    for request_id in ("mine", ""):
-        call = router(cluster).Generate(router_pb2.GenerateRequest(
-            request_id=request_id, token_ids=router_pb2.TokenIds(ids=list(range(4500, 4540))),
+
+    def call(request_id, ids=list(range(4500, 4540))):
+        return router(cluster).Generate(router_pb2.GenerateRequest(
+            request_id=request_id, token_ids=router_pb2.TokenIds(ids=ids),
             sampling=sampling), timeout=60)
-        (header,) = [v for k, v in call.initial_metadata() if k == "pdserve-request-id"]
-        assert header == (request_id or header) and len(header) >= 4
-        assert {m.request_id for m in call} == {header}
-    bad = router(cluster).Generate(router_pb2.GenerateRequest(
-        token_ids=router_pb2.TokenIds(ids=[-1]), sampling=sampling), timeout=60)
-    with pytest.raises(grpc.RpcError) as e:
-        list(bad)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "pdserve-request-id" not in dict(bad.initial_metadata() or ())
+
+    for request_id, header in (("mine-1.a_b~", "mine-1.a_b~"), ("réq 1/😀", "r%C3%A9q%201%2F%F0%9F%98%80"),
+                               ("", None)):
+        answer = call(request_id)
+        (sent,) = [v for k, v in answer.initial_metadata() if k == "pdserve-request-id"]
+        assert sent == (header or sent) and len(sent) >= 4
+        assert unquote(sent) == (request_id or sent)
+        assert {m.request_id for m in answer} == {unquote(sent)}
+    for request_id, ids in (("a\nforged log line", list(range(10))), ("x" * 10_000, [1, 2]),
+                            ("ok", [-1])):
+        bad = call(request_id, ids)
+        with pytest.raises(grpc.RpcError) as e:
+            list(bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "pdserve-request-id" not in dict(bad.initial_metadata() or ())
+    assert tokens(list(call("after")))  # still serving
 
 
 def test_list_instances(clusters):
