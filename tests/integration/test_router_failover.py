@@ -64,26 +64,36 @@ def listed_prefills(router) -> dict[str, int]:
 
 
 def generate_while_killing(cluster, name, ids):
-    """Freeze `name`, start a request, kill `name` once the router has accepted and routed
-    the request (its initial metadata), while the request waits on `name` (the router waits
+    """Freeze `name`, start a request, kill `name` once the router has routed the request
+    (its initial metadata) to it: the request is then still waiting (the router waits
     --prefill-timeout-s, 2 s, before it probes a silent prefill). First wait until the router
-    lists `name` and every prefill it lists is idle: the pick is a tie."""
+    lists `name` and every prefill it lists is idle, so that the pick is a tie; a request the
+    router sent elsewhere all the same (on a loaded machine its view of `name` may lapse)
+    ends without waiting: then `name` is thawed and the scenario tried again (3 times) with
+    other tokens, whose prefix no instance holds. Returns (messages, seconds, the prompt)."""
     router = stub(cluster)
-    assert wait_for(lambda: name in (seen := listed_prefills(router))
-                    and not any(seen.values()), timeout=15), listed_prefills(router)
     proc = cluster.child(name).proc
-    freeze(proc.pid)
-    start = time.monotonic()
-    call = router.Generate(request(ids), timeout=30)
-    try:
-        call.initial_metadata()  # accepted and routed
-        time.sleep(0.3)
-        proc.kill()
-        proc.wait(10)
-        msgs = list(call)
-    except grpc.RpcError as e:
-        raise AssertionError(f"the request failed: {e}") from None
-    return msgs, time.monotonic() - start
+    for attempt in range(3):
+        ids = [t + 1000 * attempt for t in ids]
+        assert wait_for(lambda: name in (seen := listed_prefills(router))
+                        and not any(seen.values()), timeout=15), listed_prefills(router)
+        freeze(proc.pid)
+        start = time.monotonic()
+        call = router.Generate(request(ids), timeout=30)
+        try:
+            call.initial_metadata()  # accepted and routed
+            time.sleep(0.3)
+            if call.done():  # not waiting on the frozen prefill: it went elsewhere
+                list(call)
+                os.kill(proc.pid, signal.SIGCONT)
+                continue
+            proc.kill()
+            proc.wait(10)
+            msgs = list(call)
+        except grpc.RpcError as e:
+            raise AssertionError(f"the request failed: {e}") from None
+        return msgs, time.monotonic() - start, ids
+    raise AssertionError(f"the router never sent the request to {name}: {router_log(cluster)}")
 
 
 def router_log(cluster) -> str:
@@ -103,7 +113,7 @@ def decodes_free(cluster):
 def test_killed_prefill_is_retried_on_the_other_one(cluster, reference):
     # Idle cluster, tied scores: the first prefill pick is prefill-0 (smallest id).
     ids = list(range(5000, 5040))
-    msgs, seconds = generate_while_killing(cluster, "prefill-0", ids)
+    msgs, seconds, ids = generate_while_killing(cluster, "prefill-0", ids)
     assert [t for m in msgs for t in m.token_ids] == reference(ids)
     served = msgs[-1].served_by
     assert served.disaggregated and served.prefill_attempts == 2, (served, router_log(cluster))
@@ -114,7 +124,7 @@ def test_killed_prefill_is_retried_on_the_other_one(cluster, reference):
 
 def test_last_prefill_killed_falls_back_to_local_prefill(cluster, reference):
     ids = list(range(6000, 6040))
-    msgs, _ = generate_while_killing(cluster, "prefill-1", ids)
+    msgs, _, ids = generate_while_killing(cluster, "prefill-1", ids)
     assert [t for m in msgs for t in m.token_ids] == reference(ids)
     served = msgs[-1].served_by
     assert not served.disaggregated and served.prefill_attempts == 1
